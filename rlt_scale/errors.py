@@ -1,0 +1,20 @@
+"""Errors that rlt-scale raises on purpose, so callers can tell them from bugs."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, mistyped or inconsistent.
+
+    The message always starts with the dotted key at fault (``model.n_heads``)
+    and says what was expected.
+    """
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class DataError(RuntimeError):
+    """A shard, index or sample is unreadable or inconsistent.
+
+    The message names the shard file and, where known, the sample key.
+    """

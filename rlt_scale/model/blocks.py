@@ -1,0 +1,149 @@
+"""The RLT's layers: attention weights, SwiGLU, encoder block, memory, merge, decoder layer.
+
+Heads (and FFN units) are laid out so that a column-parallel split keeps
+whole heads on a rank: fused projections are interleaved per head
+(``[h, 3, hd]`` for Q/K/V, ``[h, 2, hd]`` for memory K/V, ``[f, 2]`` for
+SwiGLU gate/up) rather than concatenated.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rlt_scale.config import ModelConfig
+from rlt_scale.model.layers import RMSNorm, Rotary, attend, merge_heads, swiglu, visibility
+from rlt_scale.model.state import KV
+from rlt_scale.model.tp import TensorParallel
+
+
+def _heads(x: torch.Tensor, n_heads: int, parts: int) -> tuple[torch.Tensor, ...]:
+    """``[B, S, h*parts*hd]`` interleaved per head -> ``parts`` tensors ``[B, h, S, hd]``."""
+    b, s, _ = x.shape
+    x = x.view(b, s, n_heads, parts, -1).permute(3, 0, 2, 1, 4)
+    return tuple(x.unbind(0))
+
+
+class Attention(nn.Module):
+    """Q/K/V/O projections of a self-attention.
+
+    Holds weights only: the encoder uses them causally, the decoder with a
+    sliding window. With ``tie_layers`` one instance serves both.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.n_heads = tp.local(cfg.n_heads, "model.n_heads")
+        self.qkv = tp.column(cfg.d_model, 3 * cfg.d_model)
+        self.out = tp.row(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor, rope: Rotary, pos, doc, past: KV, window: Optional[int]):
+        """Attend from ``x`` over ``past`` plus ``x``'s own keys; returns (output, all keys)."""
+        q, k, v = _heads(self.qkv(x), self.n_heads, 3)
+        keys = past.cat(KV(rope(k), v, pos, doc))
+        mask = visibility(pos, doc, keys.pos, keys.doc, window)
+        return self.out(merge_heads(attend(rope(q), keys.k, keys.v, mask))), keys
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``W2 (silu(W1 x) * (W3 x))``, ``W1``/``W3`` fused and interleaved."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.gate_up = tp.column(cfg.d_model, 2 * cfg.ffn_size)
+        self.down = tp.row(cfg.ffn_size, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up(x)
+        gu = gu.view(*gu.shape[:-1], -1, 2).transpose(-1, -2).flatten(-2)
+        return self.down(swiglu(gu))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm causal block: x + attn(norm(x)); x + ffn(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.norm_attn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.attn = Attention(cfg, tp)
+        self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.ffn = FeedForward(cfg, tp)
+
+    def forward(self, x, rope: Rotary, pos, doc, past: KV):
+        a, keys = self.attn(self.norm_attn(x), rope, pos, doc, past, window=None)
+        x = x + a
+        return x + self.ffn(self.norm_ffn(x)), keys
+
+
+class MemoryProjection(nn.Module):
+    """One memory group: ``k = rope(Wk RMSNorm(e), t)``, ``v = Wv RMSNorm(e)``."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.n_heads = tp.local(cfg.n_heads, "model.n_heads")
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.kv = tp.column(cfg.d_model, 2 * cfg.d_model)
+
+    def forward(self, e: torch.Tensor, rope: Rotary, pos, doc) -> KV:
+        k, v = _heads(self.kv(self.norm(e)), self.n_heads, 2)
+        return KV(rope(k), v, pos, doc)
+
+
+class FeedbackMerge(nn.Module):
+    """Gated additive merge of the encoder output with the fed-back state.
+
+    ``r = RMSNorm(s)``, ``g = sigmoid(Wg [e ; r] + bg)``, ``u = e + alpha * g * (Ws r)``.
+    Small and replicated on every tensor-parallel rank.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        d = cfg.d_model
+        self.norm = RMSNorm(d, cfg.norm_eps, dtype)
+        self.gate = nn.Linear(2 * d, d, bias=True, dtype=dtype)
+        self.proj = nn.Linear(d, d, bias=False, dtype=dtype)
+        self.initial_state = nn.Parameter(torch.empty(d, dtype=dtype))
+        scale = torch.tensor(cfg.feedback_scale, dtype=dtype)
+        if cfg.learn_feedback_scale:
+            self.scale = nn.Parameter(scale)
+        else:
+            self.register_buffer("scale", scale)
+        for w in (self.gate.weight, self.proj.weight, self.initial_state):
+            nn.init.normal_(w, std=cfg.init_std)
+        nn.init.zeros_(self.gate.bias)
+
+    def forward(self, e: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """``e`` ``[B, S, d]``; ``s`` ``[B, d]`` is shared by the S positions."""
+        r = self.norm(s)[:, None].expand_as(e)
+        g = torch.sigmoid(self.gate(torch.cat([e, r], dim=-1)))
+        return e + self.scale * g * self.proj(r)
+
+
+class DecoderLayer(nn.Module):
+    """Window self-attention, cross-attention over the memory, SwiGLU; pre-norm residuals."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, tied: Optional[EncoderBlock]):
+        super().__init__()
+        self.window = cfg.window
+        self.n_heads = tp.local(cfg.n_heads, "model.n_heads")
+        # Tied layers reuse the encoder block's modules: one Parameter object,
+        # whose gradient sums the encoder's and the decoder's use of it.
+        self.attn = tied.attn if tied is not None else Attention(cfg, tp)
+        self.ffn = tied.ffn if tied is not None else FeedForward(cfg, tp)
+        self.norm_attn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.norm_cross = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.cross_q = tp.column(cfg.d_model, cfg.d_model)
+        self.cross_out = tp.row(cfg.d_model, cfg.d_model)
+        self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+
+    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV) -> tuple[torch.Tensor, KV]:
+        """Run positions ``[B, S]`` that share one feedback; returns (z, updated window cache)."""
+        a, keys = self.attn(self.norm_attn(z), rope, pos, doc, cache, window=self.window)
+        z = z + a
+        q = rope(_heads(self.cross_q(self.norm_cross(z)), self.n_heads, 1)[0])
+        mask = visibility(pos, doc, memory.pos, memory.doc)
+        z = z + self.cross_out(merge_heads(attend(q, memory.k, memory.v, mask)))
+        z = z + self.ffn(self.norm_ffn(z))
+        return z, keys.last(self.window - 1)

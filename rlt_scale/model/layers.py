@@ -1,0 +1,104 @@
+"""Small building blocks: RMSNorm, rotary positions, masked attention, SwiGLU.
+
+Positions are *document-relative* token indices (0 at a document start) and
+documents are identified by integer ids, so packing several documents in one
+sample needs nothing but masks: a query sees a key only when both belong to
+the same document (see :func:`visibility`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary:
+    """Rotary embedding tables for a batch of positions.
+
+    Built once per segment from positions ``[B, S]`` and shared by every layer
+    that rotates queries or keys at those positions.
+    """
+
+    def __init__(self, positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+        angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, S, hd/2]
+        # [B, 1, S, hd/2]: broadcast over heads
+        self.cos = angles.cos().to(dtype)[:, None]
+        self.sin = angles.sin().to(dtype)[:, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[B, h, S, hd]`` (rotate-half convention)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def visibility(
+    q_pos: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_doc: torch.Tensor,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """Boolean mask ``[B, 1, Sq, Sk]``: key visible to query.
+
+    Visible means: same document, not in the future, and (with a window W)
+    fewer than W positions back, so the window holds ``t-W+1 .. t``.
+    """
+    qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+    mask = (q_doc[:, :, None] == k_doc[:, None, :]) & (kp <= qp)
+    if window is not None:
+        mask &= kp > qp - window
+    return mask[:, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Scaled dot-product attention ``[B, h, Sq, hd]`` under a boolean mask.
+
+    Every query sees at least its own position, so no row is fully masked.
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """``[B, S, h*hd] -> [B, h, S, hd]``."""
+    b, s, _ = x.shape
+    return x.view(b, s, n_heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """``[B, h, S, hd] -> [B, S, h*hd]``."""
+    b, h, s, hd = x.shape
+    return x.transpose(1, 2).reshape(b, s, h * hd)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused ``[gate ; up]`` projection (split on the last dim)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Document-relative positions ``[B, T]`` from per-token document ids.
+
+    A document starts wherever the id changes; positions count from 0 there.
+    """
+    b, t = doc_ids.shape
+    index = torch.arange(t, device=doc_ids.device).expand(b, t)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - last_start

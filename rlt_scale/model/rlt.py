@@ -1,0 +1,148 @@
+"""The Recurrent Looped Transformer (DESIGN.md section 1).
+
+Data flow for a sample of T tokens::
+
+    tokens --embed--> encoder (causal, all positions at once) --> e_1..e_T
+    e --memory projections (G groups, one parallel pass)--> M = (K, V)
+    for each segment of positions sharing one feedback vector:
+        u = merge(e, s)                       # s: feedback from the state
+        z = decoder layers(u; window cache, M_<=t)
+        s <- z at a block end                 # carried in DecoderState
+    logits = readout(RMSNorm(z))
+
+A *segment* is what can run in parallel: one token for K=1, a block of K
+tokens for K>1 (shorter where documents of the batch start mid-block), the
+whole chunk for K=0. Running a block's positions together or one at a time
+gives the same numbers, because they all read the same feedback.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rlt_scale.config import ModelConfig
+from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
+from rlt_scale.model.layers import RMSNorm, Rotary, document_positions
+from rlt_scale.model.state import KV, DecoderState
+from rlt_scale.model.tp import TensorParallel
+
+
+class RLT(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.n_local_heads = tp.local(cfg.n_heads, "model.n_heads")
+        self.embed = tp.vocab_embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = nn.ModuleList(EncoderBlock(cfg, tp) for _ in range(cfg.n_enc_layers))
+        self.memory = nn.ModuleList(MemoryProjection(cfg, tp) for _ in range(cfg.memory_groups))
+        self.merge = FeedbackMerge(cfg, tp.dtype) if cfg.feedback_block else None
+        self.decoder = nn.ModuleList(
+            DecoderLayer(cfg, tp, self.encoder[i] if cfg.tie_layers else None) for i in range(cfg.n_dec_layers)
+        )
+        self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
+        self.readout = tp.vocab_readout(cfg.d_model, cfg.vocab_size)
+
+    # ------------------------------------------------------------------ parts
+    def rotary(self, pos: torch.Tensor) -> Rotary:
+        return Rotary(pos, self.cfg.head_dim, self.cfg.rope_theta, self.tp.dtype)
+
+    def empty_kv(self, batch: int, device) -> KV:
+        return KV.empty(batch, self.n_local_heads, self.cfg.head_dim, self.tp.dtype, device)
+
+    def encode(self, tokens, pos, doc, past: Optional[list[KV]] = None) -> tuple[torch.Tensor, list[KV]]:
+        """Encoder output ``e`` ``[B, S, d]`` (no final norm) and each layer's keys.
+
+        ``past`` (generation) holds earlier positions' encoder keys; training
+        encodes the whole sample at once with ``past=None``.
+        """
+        rope = self.rotary(pos)
+        x = self.embed(tokens)
+        keys = []
+        for i, block in enumerate(self.encoder):
+            x, kv = block(x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device))
+            keys.append(kv)
+        return x, keys
+
+    def build_memory(self, e, pos, doc) -> list[KV]:
+        """Memory keys/values of every group for the given positions, in one pass."""
+        rope = self.rotary(pos)
+        return [group(e, rope, pos, doc) for group in self.memory]
+
+    def initial_state(self, batch: int, device) -> DecoderState:
+        d = self.cfg.d_model
+        if self.merge is not None:
+            s = self.merge.initial_state.expand(batch, d)
+        else:
+            s = torch.zeros(batch, d, dtype=self.tp.dtype, device=device)
+        return DecoderState(s, [self.empty_kv(batch, device) for _ in self.decoder])
+
+    def logits(self, z: torch.Tensor) -> torch.Tensor:
+        """Vocabulary(-parallel) logits; position t predicts token t+1."""
+        return self.readout(self.norm_out(z))
+
+    # ------------------------------------------------------------ the decoder
+    def segments(self, pos: torch.Tensor) -> list[tuple[int, int]]:
+        """Split ``[0, S)`` where any row starts a feedback block (a document start included)."""
+        k, length = self.cfg.feedback_block, pos.shape[1]
+        if k == 0:
+            return [(0, length)]
+        if k == 1:
+            return [(i, i + 1) for i in range(length)]
+        starts = ((pos % k) == 0).any(dim=0)
+        starts[0] = True
+        bounds = starts.nonzero().flatten().tolist() + [length]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def decode_segment(self, e, pos, doc, memory: list[KV], state: DecoderState):
+        """Decoder over positions that all read the same feedback ``state.s``."""
+        k = self.cfg.feedback_block
+        z = e
+        if self.merge is not None:
+            s_star = self.merge.initial_state.expand_as(state.s)
+            feedback = torch.where((pos[:, :1] == 0), s_star, state.s)
+            z = self.merge(e, feedback)
+        rope = self.rotary(pos)
+        caches = []
+        for i, layer in enumerate(self.decoder):
+            z, cache = layer(z, rope, pos, doc, state.caches[i], memory[self.cfg.memory_group_of(i)])
+            caches.append(cache)
+        s = state.s
+        if self.merge is not None:
+            block_end = ((pos[:, -1:] + 1) % k) == 0
+            s = torch.where(block_end, z[:, -1], feedback)
+        return z, DecoderState(s, caches)
+
+    def decode(self, e, pos, doc, memory: list[KV], state: DecoderState, offset: int = 0):
+        """Walk the decoder over ``e`` ``[B, S, d]`` carrying ``state``.
+
+        ``memory`` holds entries for absolute positions ``0..``; the segment
+        starting at chunk index ``a`` reads entries ``< offset + b`` (the mask
+        hides the rest of the future and other documents).
+        """
+        outputs = []
+        for a, b in self.segments(pos):
+            mem = [m.first(offset + b) for m in memory]
+            z, state = self.decode_segment(e[:, a:b], pos[:, a:b], doc[:, a:b], mem, state)
+            outputs.append(z)
+        return torch.cat(outputs, dim=1), state
+
+    # ------------------------------------------------------- teacher forcing
+    def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Teacher-forced logits ``[B, T, V]`` in one pass (no chunking)."""
+        doc = torch.zeros_like(tokens) if doc_ids is None else doc_ids
+        pos = document_positions(doc)
+        e, _ = self.encode(tokens, pos, doc)
+        memory = self.build_memory(e, pos, doc)
+        z, _ = self.decode(e, pos, doc, memory, self.initial_state(tokens.shape[0], tokens.device))
+        return self.logits(z)
+
+    # ------------------------------------------------------------- counting
+    def parameter_counts(self) -> dict[str, int]:
+        """Unique parameters, and parameters as applied (tied layers counted per use)."""
+        unique = sum(p.numel() for p in self.parameters())
+        applied = sum(p.numel() for _, p in self.named_parameters(remove_duplicate=False))
+        return {"unique": unique, "applied": applied}

@@ -1,0 +1,39 @@
+"""Shared fixtures: a one-process world (megatron's layers need process groups)
+and a factory for tiny float64 models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlt_scale.config import ModelConfig, ParallelConfig
+from rlt_scale.distributed import init_distributed
+from rlt_scale.model import build_model
+
+
+@pytest.fixture(scope="session")
+def ctx():
+    return init_distributed(ParallelConfig(timeout_s=90), device="cpu")
+
+
+@pytest.fixture
+def make_model(ctx):
+    """``make_model(**overrides)`` -> a seeded float64 RLT with tiny defaults."""
+
+    def make(seed: int = 0, **overrides):
+        fields = dict(
+            vocab_size=23, d_model=16, n_heads=2, n_enc_layers=2, n_dec_layers=2, window=3,
+            memory_groups=1, feedback_block=1, feedback_scale=0.5, tie_layers=True,
+            params_dtype="float64", ffn_hidden_size=24,
+        )
+        fields.update(overrides)
+        cfg = ModelConfig(**fields)
+        cfg.validate()
+        torch.manual_seed(seed)
+        return build_model(cfg, ctx.tp_group)
+
+    return make
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
