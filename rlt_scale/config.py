@@ -192,6 +192,8 @@ class TrainerConfig:
     """'auto' (cuda when available), 'cpu' or 'cuda'."""
     seed: int = 0
     """Seed for initialization and sampling."""
+    threads: int = 0
+    """CPU threads for torch ops; 0 keeps torch's default. Small models run fastest on 1."""
     log_interval: int = 10
     """Print and log metrics every N steps."""
     eval_interval: int = 100
@@ -202,7 +204,7 @@ class TrainerConfig:
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "log_interval"):
             _positive(f"trainer.{name}", getattr(self, name))
-        for name in ("chunk_size", "tbptt_chunks", "eval_interval", "eval_batches"):
+        for name in ("chunk_size", "tbptt_chunks", "eval_interval", "eval_batches", "threads"):
             _positive(f"trainer.{name}", getattr(self, name), allow_zero=True)
         _choice("trainer.activation_checkpointing", self.activation_checkpointing, ("none", "chunk"))
         _choice("trainer.precision", self.precision, ("fp32", "bf16", "fp64"))

@@ -155,7 +155,8 @@ def test_feedback_block_reads_previous_block_end(make_model, k):
             rope = model.rotary(pos[:, t:t + 1])
             for i, layer in enumerate(model.decoder):
                 mem = memory[model.cfg.memory_group_of(i)].first(t + 1)
-                z, caches[i] = layer(z, rope, pos[:, t:t + 1], doc[:, t:t + 1], caches[i], mem)
+                mask = torch.ones(2, 1, 1, t + 1, dtype=torch.bool)  # one document: all of M_<=t
+                z, caches[i] = layer(z, rope, pos[:, t:t + 1], doc[:, t:t + 1], caches[i], mem, mask)
             outputs.append(z[:, 0])
         reference = model.logits(torch.stack(outputs, 1))
         assert (model(tokens) - reference).abs().max() <= TOL

@@ -138,12 +138,14 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV) -> tuple[torch.Tensor, KV]:
-        """Run positions ``[B, S]`` that share one feedback; returns (z, updated window cache)."""
+    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV, cross_mask) -> tuple[torch.Tensor, KV]:
+        """Run positions ``[B, S]`` that share one feedback; returns (z, updated window cache).
+
+        ``cross_mask`` ``[B, 1, S, N]`` says which of the N memory entries each position may read.
+        """
         a, keys = self.attn(self.norm_attn(z), rope, pos, doc, cache, window=self.window)
         z = z + a
         q = rope(_heads(self.cross_q(self.norm_cross(z)), self.n_heads, 1)[0])
-        mask = visibility(pos, doc, memory.pos, memory.doc)
-        z = z + self.cross_out(merge_heads(attend(q, memory.k, memory.v, mask)))
+        z = z + self.cross_out(merge_heads(attend(q, memory.k, memory.v, cross_mask)))
         z = z + self.ffn(self.norm_ffn(z))
         return z, keys.last(self.window - 1)

@@ -28,21 +28,27 @@ class RMSNorm(nn.Module):
 class Rotary:
     """Rotary embedding tables for a batch of positions.
 
-    Built once per segment from positions ``[B, S]`` and shared by every layer
-    that rotates queries or keys at those positions.
+    Built once per chunk from positions ``[B, S]`` and shared by every layer
+    that rotates queries or keys at those positions; ``rows(a, b)`` gives the
+    tables of positions ``a..b-1`` without recomputing them.
     """
 
-    def __init__(self, positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
-        angles = positions.to(torch.float64)[..., None] * inv_freq  # [B, S, hd/2]
-        # [B, 1, S, hd/2]: broadcast over heads
-        self.cos = angles.cos().to(dtype)[:, None]
-        self.sin = angles.sin().to(dtype)[:, None]
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin  # [B, 1, S, hd/2]: broadcast over heads
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> "Rotary":
+        exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
+        angles = positions.to(torch.float64)[..., None] / theta**exponent  # [B, S, hd/2]
+        return cls(angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None])
+
+    def rows(self, start: int, stop: int) -> "Rotary":
+        return Rotary(self.cos[:, :, start:stop], self.sin[:, :, start:stop])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape ``[B, h, S, hd]`` (rotate-half convention)."""
         x1, x2 = x.chunk(2, dim=-1)
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
+        cos, sin = self.cos, self.sin
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 

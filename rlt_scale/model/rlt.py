@@ -25,7 +25,7 @@ from torch import nn
 
 from rlt_scale.config import ModelConfig
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
-from rlt_scale.model.layers import RMSNorm, Rotary, document_positions
+from rlt_scale.model.layers import RMSNorm, Rotary, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
 
@@ -48,7 +48,7 @@ class RLT(nn.Module):
 
     # ------------------------------------------------------------------ parts
     def rotary(self, pos: torch.Tensor) -> Rotary:
-        return Rotary(pos, self.cfg.head_dim, self.cfg.rope_theta, self.tp.dtype)
+        return Rotary.at(pos, self.cfg.head_dim, self.cfg.rope_theta, self.tp.dtype)
 
     def empty_kv(self, batch: int, device) -> KV:
         return KV.empty(batch, self.n_local_heads, self.cfg.head_dim, self.tp.dtype, device)
@@ -97,18 +97,27 @@ class RLT(nn.Module):
         bounds = starts.nonzero().flatten().tolist() + [length]
         return list(zip(bounds[:-1], bounds[1:]))
 
-    def decode_segment(self, e, pos, doc, memory: list[KV], state: DecoderState):
-        """Decoder over positions that all read the same feedback ``state.s``."""
+    def decode_segment(self, e, pos, doc, memory: list[KV], state: DecoderState,
+                       rope: Optional[Rotary] = None, cross_mask: Optional[torch.Tensor] = None):
+        """Decoder over positions that all read the same feedback ``state.s``.
+
+        ``rope`` and ``cross_mask`` may be passed in precomputed (``decode``
+        builds them once per chunk); they are derived from ``pos``/``doc``
+        otherwise.
+        """
         k = self.cfg.feedback_block
         z = e
         if self.merge is not None:
             s_star = self.merge.initial_state.expand_as(state.s)
             feedback = torch.where((pos[:, :1] == 0), s_star, state.s)
             z = self.merge(e, feedback)
-        rope = self.rotary(pos)
+        rope = rope if rope is not None else self.rotary(pos)
+        if cross_mask is None:
+            cross_mask = visibility(pos, doc, memory[0].pos, memory[0].doc)
         caches = []
         for i, layer in enumerate(self.decoder):
-            z, cache = layer(z, rope, pos, doc, state.caches[i], memory[self.cfg.memory_group_of(i)])
+            group = memory[self.cfg.memory_group_of(i)]
+            z, cache = layer(z, rope, pos, doc, state.caches[i], group, cross_mask)
             caches.append(cache)
         s = state.s
         if self.merge is not None:
@@ -120,13 +129,19 @@ class RLT(nn.Module):
         """Walk the decoder over ``e`` ``[B, S, d]`` carrying ``state``.
 
         ``memory`` holds entries for absolute positions ``0..``; the segment
-        starting at chunk index ``a`` reads entries ``< offset + b`` (the mask
-        hides the rest of the future and other documents).
+        ``[a, b)`` of this chunk reads entries ``< offset + b`` (the mask hides
+        the rest of the future and other documents). Rotary tables and the
+        cross-attention mask are built once here and sliced per segment.
         """
+        end = offset + e.shape[1]
+        rope = self.rotary(pos)
+        cross_mask = visibility(pos, doc, memory[0].pos[:, :end], memory[0].doc[:, :end])
         outputs = []
         for a, b in self.segments(pos):
             mem = [m.first(offset + b) for m in memory]
-            z, state = self.decode_segment(e[:, a:b], pos[:, a:b], doc[:, a:b], mem, state)
+            z, state = self.decode_segment(
+                e[:, a:b], pos[:, a:b], doc[:, a:b], mem, state, rope.rows(a, b), cross_mask[:, :, a:b, : offset + b]
+            )
             outputs.append(z)
         return torch.cat(outputs, dim=1), state
 

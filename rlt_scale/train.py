@@ -1,0 +1,36 @@
+"""``rlt-train CONFIG [key=value ...]``: train an RLT.
+
+Examples::
+
+    rlt-train configs/tiny.yaml
+    rlt-train configs/tiny.yaml trainer.max_steps=50 model.window=16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlt_scale.config import load_config
+from rlt_scale.errors import ConfigError, DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlt-train", description=__doc__.split("\n")[0])
+    parser.add_argument("config", help="YAML file, e.g. configs/tiny.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.max_steps=10")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from rlt_scale.training.trainer import Trainer  # heavy imports after the config is known good
+
+        summary = Trainer(cfg).fit()
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"rlt-train: error: {err}", file=sys.stderr)
+        return 2
+    print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

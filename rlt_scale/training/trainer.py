@@ -1,0 +1,216 @@
+"""The single-process training loop.
+
+One optimizer step = ``grad_accum_steps`` micro-batches. The loss is the mean
+next-token cross-entropy over every valid target of the step, so the
+micro-batches of a step are read first and their target counts summed before
+any backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from rlt_scale.config import Config, config_to_dict, config_to_yaml
+from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.distributed import ParallelContext, init_distributed
+from rlt_scale.errors import ConfigError
+from rlt_scale.model import RLT, build_model
+from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.training.checkpoint import CheckpointManager, RNGState
+from rlt_scale.training.metrics import MetricsLogger
+from rlt_scale.training.optim import LRSchedule, build_optimizer
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    first_loss: Optional[float]
+    last_loss: Optional[float]
+    tokens_per_s: float
+    checkpoint: Optional[str]
+    eval_loss: Optional[float] = None
+    losses: list[float] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        first = f"{self.first_loss:.4f}" if self.first_loss is not None else "-"
+        last = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
+        lines = [
+            "== training summary ==",
+            f"steps            {self.steps}",
+            f"loss start/end   {first} -> {last}",
+            f"tokens/s         {self.tokens_per_s:,.0f}",
+            f"checkpoint       {self.checkpoint}",
+        ]
+        if self.eval_loss is not None:
+            lines.insert(3, f"eval loss        {self.eval_loss:.4f}")
+        return "\n".join(lines)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: Optional[ParallelContext] = None):
+        self.cfg = cfg
+        self.ctx = ctx or init_distributed(cfg.parallel, cfg.trainer.device)
+        if self.ctx.world_size > 1:
+            raise ConfigError(
+                "parallel", "multi-process training (TP/PP/DP) is not wired into the trainer yet; run one process"
+            )
+        self.device = self.ctx.device
+        self.run_dir = Path(cfg.checkpoint.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.trainer.seed)
+        if cfg.trainer.threads:
+            torch.set_num_threads(cfg.trainer.threads)
+        if self.device.type == "cpu":
+            # Denormal floats (tiny activations/gradients early in training)
+            # run ~2x slower on x86 CPUs; flushing them to zero is standard.
+            torch.set_flush_denormal(True)
+
+        t = cfg.trainer
+        self.loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
+        if self.loader.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                "model.vocab_size",
+                f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {cfg.model.vocab_size}",
+            )
+        self.model: RLT = build_model(cfg.model, self.ctx.tp_group).to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
+        self.schedule = Schedule.from_trainer(t)
+        self.rng = RNGState()
+        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
+        self.step = 0
+        self.run_id: Optional[str] = None
+
+    # -------------------------------------------------------------- plumbing
+    def stateful(self) -> dict:
+        return {
+            "model": self.model, "optimizer": self.optimizer, "lr_schedule": self.schedule_lr,
+            "data": self.loader, "rng": self.rng,
+        }
+
+    def _autocast(self):
+        if self.cfg.trainer.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def announce(self) -> None:
+        counts = self.model.parameter_counts()
+        print("== effective config ==\n" + config_to_yaml(self.cfg), flush=True)
+        print(f"parameters: {counts['unique']:,} unique, {counts['applied']:,} applied "
+              f"(tied layers counted per use)", flush=True)
+        print(f"recurrence: {self.schedule.describe()}", flush=True)
+        print(f"data: {self.loader.samples_per_epoch:,} samples/epoch of {self.loader.seq_len + 1} tokens "
+              f"from {self.cfg.data.path}", flush=True)
+
+    def maybe_resume(self) -> None:
+        for leftover in self.checkpoints.incomplete():
+            print(f"warning: ignoring incomplete checkpoint {leftover}", flush=True)
+        latest = self.checkpoints.latest() if self.cfg.checkpoint.resume else None
+        if latest is None:
+            return
+        meta = self.checkpoints.load(latest, self.stateful())
+        self.step = int(meta["step"])
+        self.run_id = meta.get("wandb_run_id")
+        print(f"resumed from {latest} at step {self.step}", flush=True)
+
+    def save(self) -> Path:
+        extra = {"config": config_to_yaml(self.cfg), "wandb_run_id": self.run_id}
+        return self.checkpoints.save(self.step, self.stateful(), extra)
+
+    # ------------------------------------------------------------ the work
+    def train_step(self, batches: list[dict]) -> tuple[float, float]:
+        """One optimizer step over ``batches``; returns (loss, grad norm)."""
+        self.model.train()
+        self.schedule_lr.apply()
+        n_targets = sum(int((b["loss_mask"][:, 1:]).sum()) for b in batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in batches:
+            with self._autocast():
+                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+            loss = out.loss_sum / max(n_targets, 1)
+            loss.backward()
+            total += loss.item()
+        clip = self.cfg.optimizer.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.schedule_lr.advance()
+        return total, float(norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        path = self.cfg.data.eval_path
+        if not path:
+            return None
+        self.model.eval()
+        loader = StreamingLoader(self.cfg.data, batch_size=self.cfg.trainer.micro_batch_size, path=path)
+        loss_sum, count = 0.0, 0
+        for i, batch in enumerate(loader.iter_epoch_once()):
+            if i >= self.cfg.trainer.eval_batches:
+                break
+            batch = self._to_device(batch)
+            with self._autocast():
+                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+            loss_sum += float(out.loss_sum)
+            count += int(out.n_targets)
+        return loss_sum / max(count, 1)
+
+    def fit(self) -> TrainSummary:
+        cfg, t = self.cfg, self.cfg.trainer
+        self.announce()
+        self.maybe_resume()
+        logger = MetricsLogger(cfg.logging, self.run_dir, config_to_dict(cfg), self.ctx.is_logging_rank, self.run_id)
+        self.run_id = logger.run_id
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        if self.schedule.tbptt_chunks:
+            logger.log({"step": self.step, "note": "gradient truncated"}, f"NOTE: {self.schedule.describe()}")
+
+        batches: Iterator[dict] = iter(self.loader)
+        tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.loader.seq_len * self.ctx.dp
+        losses, eval_loss, ckpt = [], None, None
+        window_start, window_tokens, run_tokens, run_time = time.perf_counter(), 0, 0, 0.0
+        while self.step < t.max_steps:
+            step_start = time.perf_counter()
+            step_batches = [self._to_device(next(batches)) for _ in range(t.grad_accum_steps)]
+            loss, norm = self.train_step(step_batches)
+            self.step += 1
+            losses.append(loss)
+            window_tokens += tokens_per_step
+            run_tokens += tokens_per_step
+            run_time += time.perf_counter() - step_start
+            if self.step % t.log_interval == 0 or self.step == t.max_steps or self.step == 1:
+                elapsed = time.perf_counter() - window_start
+                record = {
+                    "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": norm,
+                    "tokens_per_s": window_tokens / elapsed, "consumed_samples": self.loader.state_dict()["consumed_samples"],
+                }
+                logger.log(record, f"step {self.step:>6}/{t.max_steps}  loss {loss:.4f}  lr {record['lr']:.2e}  "
+                                   f"grad-norm {norm:.3f}  tokens/s {record['tokens_per_s']:,.0f}")
+                window_start, window_tokens = time.perf_counter(), 0
+            if t.eval_interval and self.step % t.eval_interval == 0:
+                eval_loss = self.evaluate()
+                if eval_loss is not None:
+                    logger.log({"step": self.step, "eval_loss": eval_loss}, f"step {self.step:>6}  eval loss {eval_loss:.4f}")
+            if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
+                ckpt = self.save()
+        if ckpt is None or not str(ckpt).endswith(f"{self.step:08d}"):
+            ckpt = self.save()
+        logger.close()
+        return TrainSummary(
+            steps=self.step,
+            first_loss=losses[0] if losses else None,
+            last_loss=losses[-1] if losses else None,
+            tokens_per_s=run_tokens / run_time if run_time else 0.0,
+            checkpoint=str(ckpt),
+            eval_loss=eval_loss,
+            losses=losses,
+        )
