@@ -32,8 +32,11 @@ class ParallelContext:
     pp: int
     dp: int
     dp_rank: int
+    tp_rank: int
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+    """TP x PP ranks holding one replica of the model (gradient norms sum over it)."""
     device: torch.device
 
     @property
@@ -83,7 +86,9 @@ def init_distributed(cfg: ParallelConfig, device: str = "auto") -> ParallelConte
         pp=cfg.pp,
         dp=dp,
         dp_rank=ps.get_data_parallel_rank(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
+        model_parallel_group=ps.get_model_parallel_group(),
         device=dev,
     )

@@ -25,11 +25,15 @@ from rlt_scale.training.checkpoint import CheckpointManager
 
 def load_for_inference(run_dir: str, checkpoint: str | None = None, device: str = "cpu"):
     """(model, config) from a run directory's newest checkpoint."""
-    path = Path(checkpoint) if checkpoint else CheckpointManager(run_dir).latest()
+    manager = CheckpointManager(run_dir)
+    path = Path(checkpoint) if checkpoint else manager.latest()
     if path is None:
         raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
-    payload = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(payload["meta"]["config"])))
+    meta = manager.read_meta(path)
+    if meta["world_size"] != 1:
+        raise ValueError(f"{path} holds {meta['world_size']} rank shards; generation loads single-rank checkpoints")
+    payload = manager.read_payload(path, rank=0)
+    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(meta["config"])))
     ctx = init_distributed(ParallelConfig(), device)
     model = build_model(cfg.model, ctx.tp_group).to(ctx.device)
     model.load_state_dict(payload["model"])

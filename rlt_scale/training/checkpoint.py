@@ -2,28 +2,33 @@
 
 Layout of ``<dir>/checkpoints``::
 
-    step_00000100/state.pt   one file per checkpoint (model, optimizer, ...)
-    latest                   name of the newest *complete* checkpoint
+    step_00000100/rank_00000.pt   each rank's own state (model shard, optimizer, RNG, ...)
+    step_00000100/meta.json       step, world size, config; written last
+    latest                        name of the newest *complete* checkpoint
 
-A checkpoint is written into ``step_N.tmp`` and published by renaming the
-directory, then ``latest`` is replaced atomically; a crash at any moment
-leaves the previous checkpoint loadable, and leftover ``.tmp`` directories
-are reported and ignored. Loading uses ``weights_only=True``: a checkpoint
-can never execute code.
+Every rank writes its file in parallel into ``step_N.tmp``; after a barrier
+rank 0 writes ``meta.json``, publishes the directory by renaming it, and
+replaces ``latest`` atomically. A crash at any moment leaves the previous
+checkpoint loadable; leftover ``.tmp`` directories are reported and ignored.
+Loading uses ``weights_only=True``: a checkpoint can never execute code.
 
-This single-file format is the single-process foundation; the sharded,
-reshardable format for multi-rank layouts replaces ``state.pt`` with per-rank
-shards behind the same interface.
+These files load back into the same layout; resharding into another
+TP x PP x DP layout is the job of the distributed checkpoint format that
+replaces the per-rank files behind this same interface.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 from typing import Optional, Protocol
 
 import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
 
 
 class Stateful(Protocol):
@@ -32,13 +37,22 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep: int = 2):
-        self.root = Path(run_dir) / "checkpoints"
-        self.keep = keep
+def _barrier(world_size: int) -> None:
+    if world_size > 1:
+        dist.barrier()
 
-    def _name(self, step: int) -> str:
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep: int = 2, rank: int = 0, world_size: int = 1):
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep, self.rank, self.world_size = keep, rank, world_size
+
+    @staticmethod
+    def _name(step: int) -> str:
         return f"step_{step:08d}"
+
+    def _file(self, directory: Path, rank: Optional[int] = None) -> Path:
+        return directory / f"rank_{self.rank if rank is None else rank:05d}.pt"
 
     def incomplete(self) -> list[Path]:
         return sorted(self.root.glob("*.tmp")) if self.root.exists() else []
@@ -48,38 +62,57 @@ class CheckpointManager:
         if not pointer.exists():
             return None
         path = self.root / pointer.read_text().strip()
-        return path if (path / "state.pt").exists() else None
+        return path if (path / "meta.json").exists() else None
 
     def save(self, step: int, objects: dict[str, Stateful], extra: Optional[dict] = None) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / self._name(step)
         tmp = self.root / (self._name(step) + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier(self.world_size)
         payload = {name: obj.state_dict() for name, obj in objects.items()}
-        payload["meta"] = {"step": step, "format_version": 1, **(extra or {})}
-        with open(tmp / "state.pt", "wb") as f:
+        with open(self._file(tmp), "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer_tmp = self.root / "latest.tmp-pointer"
-        pointer_tmp.write_text(final.name)
-        os.replace(pointer_tmp, self.root / "latest")
-        self._prune()
+        _barrier(self.world_size)
+        if self.rank == 0:
+            meta = {"step": step, "format_version": FORMAT_VERSION, "world_size": self.world_size, **(extra or {})}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer_tmp = self.root / "latest.tmp-pointer"
+            pointer_tmp.write_text(final.name)
+            os.replace(pointer_tmp, self.root / "latest")
+            self._prune()
+        _barrier(self.world_size)
         return final
 
+    @staticmethod
+    def read_meta(path: Path) -> dict:
+        return json.loads((path / "meta.json").read_text())
+
+    def read_payload(self, path: Path, rank: Optional[int] = None) -> dict:
+        return torch.load(self._file(path, rank), map_location="cpu", weights_only=True)
+
     def load(self, path: Path, objects: dict[str, Stateful]) -> dict:
-        """Restore every object from ``path``; returns the checkpoint's metadata."""
-        payload = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+        """Restore every object from this rank's file in ``path``; returns the metadata."""
+        meta = self.read_meta(path)
+        if meta["world_size"] != self.world_size:
+            raise ValueError(
+                f"{path} was saved by {meta['world_size']} ranks, this job has {self.world_size}; "
+                "loading into another layout needs the reshardable checkpoint format"
+            )
+        payload = self.read_payload(path)
         missing = set(objects) - set(payload)
         if missing:
-            raise KeyError(f"{path}/state.pt lacks {sorted(missing)}")
+            raise KeyError(f"{self._file(path)} lacks {sorted(missing)}")
         for name, obj in objects.items():
             obj.load_state_dict(payload[name])
-        return payload["meta"]
+        return meta
 
     def _prune(self) -> None:
         done = sorted(p for p in self.root.glob("step_*") if not p.name.endswith(".tmp"))

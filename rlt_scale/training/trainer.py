@@ -22,6 +22,8 @@ from rlt_scale.distributed import ParallelContext, init_distributed
 from rlt_scale.errors import ConfigError
 from rlt_scale.model import RLT, build_model
 from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
+from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.training.checkpoint import CheckpointManager, RNGState
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
@@ -56,10 +58,10 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: Optional[ParallelContext] = None):
         self.cfg = cfg
         self.ctx = ctx or init_distributed(cfg.parallel, cfg.trainer.device)
-        if self.ctx.world_size > 1:
-            raise ConfigError(
-                "parallel", "multi-process training (TP/PP/DP) is not wired into the trainer yet; run one process"
-            )
+        if self.ctx.pp > 1:
+            raise ConfigError("parallel.pp", "the decoder ring pipeline is not implemented yet; use pp=1")
+        if cfg.parallel.zero_stage:
+            raise ConfigError("parallel.zero_stage", "ZeRO is not wired in yet; use 0 (plain data parallelism)")
         self.device = self.ctx.device
         self.run_dir = Path(cfg.checkpoint.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -83,7 +85,8 @@ class Trainer:
         self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
         self.schedule = Schedule.from_trainer(t)
         self.rng = RNGState()
-        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep)
+        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep,
+                                             rank=self.ctx.rank, world_size=self.ctx.world_size)
         self.step = 0
         self.run_id: Optional[str] = None
 
@@ -103,6 +106,8 @@ class Trainer:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def announce(self) -> None:
+        if not self.ctx.is_logging_rank:
+            return
         counts = self.model.parameter_counts()
         print("== effective config ==\n" + config_to_yaml(self.cfg), flush=True)
         print(f"parameters: {counts['unique']:,} unique, {counts['applied']:,} applied "
@@ -112,7 +117,7 @@ class Trainer:
               f"from {self.cfg.data.path}", flush=True)
 
     def maybe_resume(self) -> None:
-        for leftover in self.checkpoints.incomplete():
+        for leftover in self.checkpoints.incomplete() if self.ctx.is_logging_rank else []:
             print(f"warning: ignoring incomplete checkpoint {leftover}", flush=True)
         latest = self.checkpoints.latest() if self.cfg.checkpoint.resume else None
         if latest is None:
@@ -120,31 +125,47 @@ class Trainer:
         meta = self.checkpoints.load(latest, self.stateful())
         self.step = int(meta["step"])
         self.run_id = meta.get("wandb_run_id")
-        print(f"resumed from {latest} at step {self.step}", flush=True)
+        if self.ctx.is_logging_rank:
+            print(f"resumed from {latest} at step {self.step}", flush=True)
 
     def save(self) -> Path:
         extra = {"config": config_to_yaml(self.cfg), "wandb_run_id": self.run_id}
         return self.checkpoints.save(self.step, self.stateful(), extra)
 
     # ------------------------------------------------------------ the work
-    def train_step(self, batches: list[dict]) -> tuple[float, float]:
-        """One optimizer step over ``batches``; returns (loss, grad norm)."""
+    def forward_backward(self, batches: list[dict]) -> float:
+        """Accumulate the gradient of the step's mean loss; returns that loss.
+
+        Each rank divides its loss sum by the number of valid targets of the
+        whole step on all data-parallel ranks, so summing gradients over the
+        ranks gives exactly the single-process gradient.
+        """
         self.model.train()
-        self.schedule_lr.apply()
-        n_targets = sum(int((b["loss_mask"][:, 1:]).sum()) for b in batches)
+        counts = torch.tensor([sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)], dtype=torch.float64)
+        n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        loss_sum = torch.zeros(1, dtype=torch.float64)
         for batch in batches:
             with self._autocast():
                 out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-            loss = out.loss_sum / max(n_targets, 1)
-            loss.backward()
-            total += loss.item()
-        clip = self.cfg.optimizer.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
+            (out.loss_sum / n_targets).backward()
+            loss_sum += out.loss_sum.detach().double().cpu()
+        reduce_gradients(self.model, self.ctx)
+        return float(dp_sum(loss_sum, self.ctx)[0]) / n_targets
+
+    def optimizer_step(self) -> float:
+        """Clip by the global norm over all shards, step, advance the schedule; returns the norm."""
+        self.schedule_lr.apply()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = clip_grads(params, self.cfg.optimizer.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
         self.optimizer.step()
         self.schedule_lr.advance()
-        return total, float(norm)
+        return norm
+
+    def train_step(self, batches: list[dict]) -> tuple[float, float]:
+        """One optimizer step over this rank's ``batches``; returns (loss, grad norm)."""
+        loss = self.forward_backward(batches)
+        return loss, self.optimizer_step()
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
@@ -152,17 +173,18 @@ class Trainer:
         if not path:
             return None
         self.model.eval()
-        loader = StreamingLoader(self.cfg.data, batch_size=self.cfg.trainer.micro_batch_size, path=path)
-        loss_sum, count = 0.0, 0
+        loader = StreamingLoader(self.cfg.data, batch_size=self.cfg.trainer.micro_batch_size,
+                                 dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, path=path)
+        sums = torch.zeros(2, dtype=torch.float64)
         for i, batch in enumerate(loader.iter_epoch_once()):
             if i >= self.cfg.trainer.eval_batches:
                 break
             batch = self._to_device(batch)
             with self._autocast():
                 out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-            loss_sum += float(out.loss_sum)
-            count += int(out.n_targets)
-        return loss_sum / max(count, 1)
+            sums += torch.tensor([float(out.loss_sum), float(out.n_targets)], dtype=torch.float64)
+        sums = dp_sum(sums, self.ctx)
+        return float(sums[0] / sums[1].clamp(min=1))
 
     def fit(self) -> TrainSummary:
         cfg, t = self.cfg, self.cfg.trainer
@@ -170,7 +192,8 @@ class Trainer:
         self.maybe_resume()
         logger = MetricsLogger(cfg.logging, self.run_dir, config_to_dict(cfg), self.ctx.is_logging_rank, self.run_id)
         self.run_id = logger.run_id
-        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        if self.ctx.is_logging_rank:
+            (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         if self.schedule.tbptt_chunks:
             logger.log({"step": self.step, "note": "gradient truncated"}, f"NOTE: {self.schedule.describe()}")
 

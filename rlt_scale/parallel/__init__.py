@@ -1,0 +1,2 @@
+"""Distributed plumbing applied around the model: gradient norms across
+model-parallel shards, gathering shards to full tensors, data parallelism."""

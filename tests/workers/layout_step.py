@@ -1,0 +1,39 @@
+"""Run 3 optimizer steps of the real trainer in one layout; save what must match.
+
+    torchrun --nproc-per-node N tests/workers/layout_step.py OUT_FILE key=value ...
+
+Rank 0 writes the step losses, grad norms, the full (TP-gathered) gradients
+of the first step and the full parameters after the last step to OUT_FILE.
+"""
+
+import sys
+
+import torch
+
+
+def main() -> None:
+    out_file, overrides = sys.argv[1], sys.argv[2:]
+    from rlt_scale.config import load_config
+    from rlt_scale.distributed import init_distributed
+    from rlt_scale.parallel.shards import full_state
+    from rlt_scale.training.trainer import Trainer
+
+    cfg = load_config(None, overrides)
+    ctx = init_distributed(cfg.parallel, cfg.trainer.device)
+    trainer = Trainer(cfg, ctx)
+    batches = iter(trainer.loader)
+    losses, norms, first_grads = [], [], None
+    for step in range(cfg.trainer.max_steps):
+        losses.append(trainer.forward_backward([next(batches) for _ in range(cfg.trainer.grad_accum_steps)]))
+        if step == 0:
+            first_grads = full_state(trainer.model, ctx.tp_group, grads=True)
+        norms.append(trainer.optimizer_step())
+    params = full_state(trainer.model, ctx.tp_group)
+    if ctx.rank == 0:
+        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params}, out_file)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
