@@ -32,6 +32,24 @@ class StreamState:
     position: int
     """Index of the next position."""
 
+    def state_dict(self) -> dict:
+        """Plain tensors, saveable with ``torch.save`` and loadable with ``weights_only``."""
+        out = {"position": torch.tensor(self.position)}
+        for prefix, stores in (("encoder", self.encoder), ("memory", self.memory)):
+            for i, kv in enumerate(stores):
+                out.update({f"{prefix}.{i}.{f}": getattr(kv, f) for f in ("k", "v", "pos", "doc")})
+        out.update({f"decoder.{k}": v for k, v in self.decoder.state_dict().items()})
+        return out
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "StreamState":
+        def stores(prefix):
+            n = sum(1 for key in sd if key.startswith(prefix + ".") and key.endswith(".k"))
+            return [KV(*(sd[f"{prefix}.{i}.{f}"] for f in ("k", "v", "pos", "doc"))) for i in range(n)]
+
+        decoder = DecoderState.from_state_dict({k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")})
+        return cls(stores("encoder"), stores("memory"), decoder, int(sd["position"]))
+
 
 @dataclass
 class SamplingConfig:

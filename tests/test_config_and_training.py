@@ -85,3 +85,15 @@ def test_tiny_model_memorises_a_fixed_batch(ctx, k):
         losses.append(loss.item())
     assert losses[0] > 3.0  # ~ln(32) = 3.47 at init
     assert losses[-1] < 0.2 * losses[0], losses[::10]
+
+
+def test_bf16_autocast_step_tracks_fp32(ctx):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=32, d_model=32, n_heads=4, window=4), ctx.tp_group)
+    tokens = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(1))
+    fp32 = run_sequence(model, tokens, schedule=Schedule(chunk_size=4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = run_sequence(model, tokens, schedule=Schedule(chunk_size=4, checkpoint=True))
+    (bf16.loss_sum / bf16.n_targets).backward()
+    assert abs(bf16.loss_sum.item() - fp32.loss_sum.item()) / fp32.loss_sum.item() < 0.02  # bf16 has ~3 digits
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -119,6 +119,11 @@ class Linear(torch.nn.Module):
     bias, so this wrapper keeps call sites reading like ``nn.Linear``.
     megatron's autograd function flattens the two leading dims in backward, so
     inputs are reshaped to 3-D here.
+
+    megatron wraps that function in CUDA autocast decorators only; under CPU
+    autocast its backward would mix bf16 gradients with fp32 weights. On CPU
+    these layers therefore run outside autocast in the weights' dtype (the
+    rest of the model still autocasts); on GPUs autocast applies as usual.
     """
 
     def __init__(self, layer: torch.nn.Module):
@@ -131,5 +136,10 @@ class Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out, _ = self.layer(x.reshape(-1, 1, shape[-1]) if x.dim() != 3 else x)
+        x = x.reshape(-1, 1, shape[-1]) if x.dim() != 3 else x
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            with torch.autocast("cpu", enabled=False):
+                out, _ = self.layer(x.to(self.weight.dtype))
+        else:
+            out, _ = self.layer(x)
         return out.reshape(*shape[:-1], out.shape[-1])
