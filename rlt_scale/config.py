@@ -286,8 +286,15 @@ class Config:
                 raise ConfigError(f"model.{name}", f"must be divisible by parallel.tp={self.parallel.tp}")
         if self.model.ffn_size % self.parallel.tp:
             raise ConfigError("model.ffn_hidden_size", f"must be divisible by parallel.tp={self.parallel.tp}")
-        if self.model.n_dec_layers % self.parallel.pp:
-            raise ConfigError("parallel.pp", f"must divide model.n_dec_layers={self.model.n_dec_layers}")
+        for name in ("n_enc_layers", "n_dec_layers"):
+            if getattr(self.model, name) % self.parallel.pp:
+                raise ConfigError("parallel.pp", f"must divide model.{name}={getattr(self.model, name)}")
+        if self.parallel.pp > 1 and self.trainer.activation_checkpointing != "none":
+            raise ConfigError("trainer.activation_checkpointing", "not yet supported with the ring pipeline (parallel.pp > 1)")
+        if self.parallel.pp > 1 and self.trainer.tbptt_chunks:
+            raise ConfigError("trainer.tbptt_chunks", "truncated BPTT is not yet supported with the ring pipeline (parallel.pp > 1)")
+        if self.parallel.zero_stage:
+            raise ConfigError("parallel.zero_stage", "ZeRO is not wired into the trainer yet; use 0 (plain data parallelism)")
         return self
 
 

@@ -37,6 +37,10 @@ class ParallelContext:
     dp_group: dist.ProcessGroup
     model_parallel_group: dist.ProcessGroup
     """TP x PP ranks holding one replica of the model (gradient norms sum over it)."""
+    pp_rank: int
+    pp_group: dist.ProcessGroup
+    pp_ranks: list[int]
+    """Global ranks of this rank's pipeline, stage 0 first."""
     device: torch.device
 
     @property
@@ -90,5 +94,8 @@ def init_distributed(cfg: ParallelConfig, device: str = "auto") -> ParallelConte
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_group=ps.get_data_parallel_group(),
         model_parallel_group=ps.get_model_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        pp_ranks=dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group()),
         device=dev,
     )

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = 480) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(ROOT / script), *args,

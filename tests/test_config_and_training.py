@@ -32,6 +32,9 @@ CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob
     (["parallel.tp=3"], "model.n_heads"),
     (["data.on_error=ignore"], "data.on_error"),
     (["model.window=0"], "model.window"),
+    (["parallel.pp=3"], "parallel.pp"),
+    (["parallel.pp=2", "trainer.chunk_size=4", "trainer.activation_checkpointing=chunk"],
+     "trainer.activation_checkpointing"),
 ])
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:

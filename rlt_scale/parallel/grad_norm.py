@@ -2,7 +2,9 @@
 
 The norm must count every element of the *model* once: a TP-sharded gradient
 contributes its shard on each TP rank, a replicated one only on TP rank 0
-(its copies on the other ranks are identical). The squared partial sums are
+(its copies on the other ranks are identical), and a memory projection
+replicated on several pipeline stages only on the stage that owns it. The
+squared partial sums are
 then added over the model-parallel group. Data-parallel replicas hold the
 same (already reduced) gradients and are not summed again.
 """
@@ -15,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from rlt_scale.parallel.shards import is_tp_sharded
+from rlt_scale.parallel.stages import is_pipeline_replica
 
 
 def global_grad_norm(params: Iterable[torch.Tensor], tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     squares = None
     for p in params:
-        if p.grad is None or (tp_rank != 0 and not is_tp_sharded(p)):
+        if p.grad is None or (tp_rank != 0 and not is_tp_sharded(p)) or is_pipeline_replica(p):
             continue
         s = p.grad.detach().double().pow(2).sum()
         squares = s if squares is None else squares + s

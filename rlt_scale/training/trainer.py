@@ -24,6 +24,8 @@ from rlt_scale.model import RLT, build_model
 from rlt_scale.model.recurrence import Schedule, run_sequence
 from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
+from rlt_scale.parallel.pipeline import RingPipeline
+from rlt_scale.parallel.stages import cut_to_stage, plan_stage
 from rlt_scale.training.checkpoint import CheckpointManager, RNGState
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
@@ -58,10 +60,6 @@ class Trainer:
     def __init__(self, cfg: Config, ctx: Optional[ParallelContext] = None):
         self.cfg = cfg
         self.ctx = ctx or init_distributed(cfg.parallel, cfg.trainer.device)
-        if self.ctx.pp > 1:
-            raise ConfigError("parallel.pp", "the decoder ring pipeline is not implemented yet; use pp=1")
-        if cfg.parallel.zero_stage:
-            raise ConfigError("parallel.zero_stage", "ZeRO is not wired in yet; use 0 (plain data parallelism)")
         self.device = self.ctx.device
         self.run_dir = Path(cfg.checkpoint.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,6 +79,10 @@ class Trainer:
                 f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {cfg.model.vocab_size}",
             )
         self.model: RLT = build_model(cfg.model, self.ctx.tp_group).to(self.device)
+        self.ring: Optional[RingPipeline] = None
+        if self.ctx.pp > 1:
+            plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
+            self.ring = RingPipeline(cut_to_stage(self.model, plan), plan, self.ctx)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
         self.schedule = Schedule.from_trainer(t)
@@ -145,11 +147,14 @@ class Trainer:
         n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(1, dtype=torch.float64)
-        for batch in batches:
-            with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-            (out.loss_sum / n_targets).backward()
-            loss_sum += out.loss_sum.detach().double().cpu()
+        if self.ring is not None:
+            loss_sum += self.ring.forward_backward(batches, n_targets)
+        else:
+            for batch in batches:
+                with self._autocast():
+                    out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+                (out.loss_sum / n_targets).backward()
+                loss_sum += out.loss_sum.detach().double().cpu()
         reduce_gradients(self.model, self.ctx)
         return float(dp_sum(loss_sum, self.ctx)[0]) / n_targets
 
@@ -170,7 +175,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         path = self.cfg.data.eval_path
-        if not path:
+        if not path or self.ring is not None:  # forward-only ring evaluation is not written yet
             return None
         self.model.eval()
         loader = StreamingLoader(self.cfg.data, batch_size=self.cfg.trainer.micro_batch_size,
@@ -216,6 +221,9 @@ class Trainer:
                     "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": norm,
                     "tokens_per_s": window_tokens / elapsed, "consumed_samples": self.loader.state_dict()["consumed_samples"],
                 }
+                if self.ring is not None:  # rank 0 is stage 0; its bubble is representative
+                    record["ring_idle"] = self.ring.stats.measured_idle_fraction
+                    record["ring_idle_scheduled"] = self.ring.stats.idle_fraction
                 logger.log(record, f"step {self.step:>6}/{t.max_steps}  loss {loss:.4f}  lr {record['lr']:.2e}  "
                                    f"grad-norm {norm:.3f}  tokens/s {record['tokens_per_s']:,.0f}")
                 window_start, window_tokens = time.perf_counter(), 0

@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node N tests/workers/layout_step.py OUT_FILE key=value ...
 
-Rank 0 writes the step losses, grad norms, the full (TP-gathered) gradients
-of the first step and the full parameters after the last step to OUT_FILE.
+The first rank of each pipeline stage writes the step losses, grad norms, the
+stage's full (TP-gathered) gradients of the first step and its full
+parameters after the last step to OUT_FILE.stage<N>.
 """
 
 import sys
@@ -29,8 +30,9 @@ def main() -> None:
             first_grads = full_state(trainer.model, ctx.tp_group, grads=True)
         norms.append(trainer.optimizer_step())
     params = full_state(trainer.model, ctx.tp_group)
-    if ctx.rank == 0:
-        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params}, out_file)
+    if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one file per pipeline stage
+        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params},
+                   f"{out_file}.stage{ctx.pp_rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
