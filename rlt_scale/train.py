@@ -19,6 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlt-train", description=__doc__.split("\n")[0])
     parser.add_argument("config", help="YAML file, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.max_steps=10")
+    # The deepspeed launcher appends --local_rank=N; the rank comes from the environment anyway.
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -9,6 +9,7 @@ any backward pass.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from rlt_scale.parallel.stages import cut_to_stage, plan_stage
 from rlt_scale.training.checkpoint import CheckpointManager, RNGState
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
+from rlt_scale.training.preemption import PreemptionFlag
 
 
 @dataclass
@@ -40,6 +42,7 @@ class TrainSummary:
     checkpoint: Optional[str]
     eval_loss: Optional[float] = None
     losses: list[float] = field(default_factory=list)
+    preempted: bool = False
 
     def __str__(self) -> str:
         first = f"{self.first_loss:.4f}" if self.first_loss is not None else "-"
@@ -51,6 +54,8 @@ class TrainSummary:
             f"tokens/s         {self.tokens_per_s:,.0f}",
             f"checkpoint       {self.checkpoint}",
         ]
+        if self.preempted:
+            lines.append("stopped early by a preemption signal; rerun the same command to resume")
         if self.eval_loss is not None:
             lines.insert(3, f"eval loss        {self.eval_loss:.4f}")
         return "\n".join(lines)
@@ -128,7 +133,16 @@ class Trainer:
         self.step = int(meta["step"])
         self.run_id = meta.get("wandb_run_id")
         if self.ctx.is_logging_rank:
-            print(f"resumed from {latest} at step {self.step}", flush=True)
+            lost = self._last_logged_step() - self.step
+            note = f"; {lost} step(s) logged after it were lost and are redone" if lost > 0 else ""
+            print(f"resumed from {latest} at step {self.step}{note}", flush=True)
+
+    def _last_logged_step(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return 0
+        steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+        return max(steps, default=0)
 
     def save(self) -> Path:
         extra = {"config": config_to_yaml(self.cfg), "wandb_run_id": self.run_id}
@@ -205,6 +219,7 @@ class Trainer:
         batches: Iterator[dict] = iter(self.loader)
         tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.loader.seq_len * self.ctx.dp
         losses, eval_loss, ckpt = [], None, None
+        preemption = PreemptionFlag().install()
         window_start, window_tokens, run_tokens, run_time = time.perf_counter(), 0, 0, 0.0
         while self.step < t.max_steps:
             step_start = time.perf_counter()
@@ -233,8 +248,13 @@ class Trainer:
                     logger.log({"step": self.step, "eval_loss": eval_loss}, f"step {self.step:>6}  eval loss {eval_loss:.4f}")
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 ckpt = self.save()
+            if preemption.agreed(self.ctx.world_size, self.device):
+                logger.log({"step": self.step, "note": "preempted"},
+                           f"{preemption.signal_name or 'signal'} received: checkpointing at step {self.step} and exiting")
+                break
         if ckpt is None or not str(ckpt).endswith(f"{self.step:08d}"):
             ckpt = self.save()
+        preemption.uninstall()
         logger.close()
         return TrainSummary(
             steps=self.step,
@@ -244,4 +264,5 @@ class Trainer:
             checkpoint=str(ckpt),
             eval_loss=eval_loss,
             losses=losses,
+            preempted=preemption.requested,
         )
