@@ -115,7 +115,7 @@ class ParallelConfig:
     dp: int = 0
     """Data-parallel size; 0 infers world_size / (tp * pp)."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage for the data-parallel optimizer (0 = plain DDP)."""
+    """DeepSpeed ZeRO stage 1 or 2 for the data-parallel optimizer (0 = plain data parallelism)."""
     backend: str = "auto"
     """torch.distributed backend: auto (nccl on CUDA, else gloo), gloo or nccl."""
     timeout_s: int = 600
@@ -293,8 +293,12 @@ class Config:
             raise ConfigError("trainer.activation_checkpointing", "not yet supported with the ring pipeline (parallel.pp > 1)")
         if self.parallel.pp > 1 and self.trainer.tbptt_chunks:
             raise ConfigError("trainer.tbptt_chunks", "truncated BPTT is not yet supported with the ring pipeline (parallel.pp > 1)")
-        if self.parallel.zero_stage:
-            raise ConfigError("parallel.zero_stage", "ZeRO is not wired into the trainer yet; use 0 (plain data parallelism)")
+        if self.parallel.zero_stage == 3:
+            raise ConfigError("parallel.zero_stage", "ZeRO-3 is not supported; use 1 or 2 (or 0 for plain DDP)")
+        if self.parallel.zero_stage and self.parallel.pp > 1:
+            raise ConfigError("parallel.zero_stage", "ZeRO is not supported with the ring pipeline (parallel.pp > 1)")
+        if self.parallel.zero_stage and self.model.params_dtype != "float32":
+            raise ConfigError("model.params_dtype", "DeepSpeed ZeRO-1/2 keeps fp32 master weights: use float32")
         return self
 
 

@@ -13,6 +13,9 @@ from rlt_scale.model import build_model
 
 @pytest.fixture(scope="session")
 def ctx():
+    # The tests' models are tiny: one thread avoids OpenMP spin-waits that make
+    # small matmuls several times slower on a 2-core machine under load.
+    torch.set_num_threads(1)
     return init_distributed(ParallelConfig(timeout_s=90), device="cpu")
 
 

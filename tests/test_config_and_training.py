@@ -33,6 +33,8 @@ CONFIGS = sorted(Path(__file__).resolve().parent.parent.joinpath("configs").glob
     (["data.on_error=ignore"], "data.on_error"),
     (["model.window=0"], "model.window"),
     (["parallel.pp=3"], "parallel.pp"),
+    (["parallel.zero_stage=3"], "parallel.zero_stage"),
+    (["parallel.zero_stage=1", "model.params_dtype=float64"], "model.params_dtype"),
     (["parallel.pp=2", "trainer.chunk_size=4", "trainer.activation_checkpointing=chunk"],
      "trainer.activation_checkpointing"),
 ])
@@ -77,17 +79,17 @@ def test_tiny_model_memorises_a_fixed_batch(ctx, k):
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=32, d_model=32, n_heads=4, window=4, feedback_block=k), ctx.tp_group)
     opt = build_optimizer(model, OptimizerConfig(lr=1e-2, weight_decay=0.0))
-    tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 32, (4, 13), generator=torch.Generator().manual_seed(1))
     losses = []
-    for _ in range(60):
+    for _ in range(40):
         opt.zero_grad()
-        out = run_sequence(model, tokens, schedule=Schedule(chunk_size=8, checkpoint=True))
+        out = run_sequence(model, tokens, schedule=Schedule(chunk_size=6, checkpoint=True))
         loss = out.loss_sum / out.n_targets
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert losses[0] > 3.0  # ~ln(32) = 3.47 at init
-    assert losses[-1] < 0.2 * losses[0], losses[::10]
+    assert losses[-1] < 0.1 * losses[0], losses[::10]  # measured: 3.48 -> 0.005
 
 
 def test_bf16_autocast_step_tracks_fp32(ctx):

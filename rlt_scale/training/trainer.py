@@ -27,6 +27,7 @@ from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.parallel.pipeline import RingPipeline
 from rlt_scale.parallel.stages import cut_to_stage, plan_stage
+from rlt_scale.parallel.zero import ZeroDataParallel
 from rlt_scale.training.checkpoint import CheckpointManager, RNGState
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
@@ -89,6 +90,13 @@ class Trainer:
             plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
             self.ring = RingPipeline(cut_to_stage(self.model, plan), plan, self.ctx)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
+        self.zero: Optional[ZeroDataParallel] = None
+        if cfg.parallel.zero_stage:
+            self.zero = ZeroDataParallel(
+                self.model, self.optimizer, self.ctx, zero_stage=cfg.parallel.zero_stage,
+                micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
+                grad_clip=cfg.optimizer.grad_clip,
+            )
         self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
         self.schedule = Schedule.from_trainer(t)
         self.rng = RNGState()
@@ -100,7 +108,7 @@ class Trainer:
     # -------------------------------------------------------------- plumbing
     def stateful(self) -> dict:
         return {
-            "model": self.model, "optimizer": self.optimizer, "lr_schedule": self.schedule_lr,
+            "model": self.model, "optimizer": self.zero or self.optimizer, "lr_schedule": self.schedule_lr,
             "data": self.loader, "rng": self.rng,
         }
 
@@ -159,25 +167,34 @@ class Trainer:
         self.model.train()
         counts = torch.tensor([sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)], dtype=torch.float64)
         n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(1, dtype=torch.float64)
         if self.ring is not None:
+            self.optimizer.zero_grad(set_to_none=True)
             loss_sum += self.ring.forward_backward(batches, n_targets)
         else:
-            for batch in batches:
+            if self.zero is None:
+                self.optimizer.zero_grad(set_to_none=True)
+            for i, batch in enumerate(batches):
                 with self._autocast():
                     out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-                (out.loss_sum / n_targets).backward()
+                if self.zero is not None:  # DeepSpeed sums over DP ranks itself
+                    self.zero.backward(out.loss_sum / n_targets, last=i == len(batches) - 1)
+                else:
+                    (out.loss_sum / n_targets).backward()
                 loss_sum += out.loss_sum.detach().double().cpu()
-        reduce_gradients(self.model, self.ctx)
+        if self.zero is None:
+            reduce_gradients(self.model, self.ctx)
         return float(dp_sum(loss_sum, self.ctx)[0]) / n_targets
 
     def optimizer_step(self) -> float:
         """Clip by the global norm over all shards, step, advance the schedule; returns the norm."""
-        self.schedule_lr.apply()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = clip_grads(params, self.cfg.optimizer.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
-        self.optimizer.step()
+        lr = self.schedule_lr.apply()
+        if self.zero is not None:
+            norm = self.zero.step(lr)
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = clip_grads(params, self.cfg.optimizer.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
+            self.optimizer.step()
         self.schedule_lr.advance()
         return norm
 
