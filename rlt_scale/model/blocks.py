@@ -39,11 +39,16 @@ class Attention(nn.Module):
         self.qkv = tp.column(cfg.d_model, 3 * cfg.d_model)
         self.out = tp.row(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor, rope: Rotary, pos, doc, past: KV, window: Optional[int]):
-        """Attend from ``x`` over ``past`` plus ``x``'s own keys; returns (output, all keys)."""
+    def forward(self, x: torch.Tensor, rope: Rotary, pos, doc, past: KV, window: Optional[int],
+                mask: Optional[torch.Tensor] = None):
+        """Attend from ``x`` over ``past`` plus ``x``'s own keys; returns (output, all keys).
+
+        ``mask`` may be passed in when the caller already built it for these keys.
+        """
         q, k, v = _heads(self.qkv(x), self.n_heads, 3)
         keys = past.cat(KV(rope(k), v, pos, doc))
-        mask = visibility(pos, doc, keys.pos, keys.doc, window)
+        if mask is None:
+            mask = visibility(pos, doc, keys.pos, keys.doc, window)
         return self.out(merge_heads(attend(rope(q), keys.k, keys.v, mask))), keys
 
 
@@ -138,12 +143,14 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV, cross_mask) -> tuple[torch.Tensor, KV]:
+    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV, cross_mask,
+                window_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KV]:
         """Run positions ``[B, S]`` that share one feedback; returns (z, updated window cache).
 
-        ``cross_mask`` ``[B, 1, S, N]`` says which of the N memory entries each position may read.
+        ``cross_mask`` ``[B, 1, S, N]`` says which of the N memory entries each
+        position may read; ``window_mask`` (optional) which cache + segment keys.
         """
-        a, keys = self.attn(self.norm_attn(z), rope, pos, doc, cache, window=self.window)
+        a, keys = self.attn(self.norm_attn(z), rope, pos, doc, cache, window=self.window, mask=window_mask)
         z = z + a
         q = rope(_heads(self.cross_q(self.norm_cross(z)), self.n_heads, 1)[0])
         z = z + self.cross_out(merge_heads(attend(q, memory.k, memory.v, cross_mask)))

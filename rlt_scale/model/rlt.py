@@ -114,10 +114,14 @@ class RLT(nn.Module):
         rope = rope if rope is not None else self.rotary(pos)
         if cross_mask is None:
             cross_mask = visibility(pos, doc, memory[0].pos, memory[0].doc)
+        # Every layer's cache holds the same positions, so one window mask serves all layers.
+        cached = state.caches[0]
+        window_mask = visibility(pos, doc, torch.cat([cached.pos, pos], 1), torch.cat([cached.doc, doc], 1),
+                                 self.cfg.window)
         caches = []
         for i, layer in enumerate(self.decoder):
             group = memory[self.cfg.memory_group_of(i)]
-            z, cache = layer(z, rope, pos, doc, state.caches[i], group, cross_mask)
+            z, cache = layer(z, rope, pos, doc, state.caches[i], group, cross_mask, window_mask)
             caches.append(cache)
         s = state.s
         if self.merge is not None:
