@@ -1,0 +1,9 @@
+"""Research-check experiments: does the RLT learn what it is claimed to learn?
+
+* :mod:`rlt_scale.experiments.evaluate` - final-state accuracy of any predictor on a prepared task set;
+* :mod:`rlt_scale.experiments.baselines` - the parameter-matched causal Transformer and GRU, and their
+  training loop (same data, optimizer, schedule and early stopping as the RLT's ``Trainer``);
+* :mod:`rlt_scale.experiments.state_tracking` - the whole table (``python -m rlt_scale.experiments.state_tracking``).
+
+Results and the exact commands: ``docs/RESULTS.md``.
+"""

@@ -1,0 +1,163 @@
+"""The research-check pipeline: evaluation, baselines, early stopping, and one tiny RLT that learns parity."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from rlt_scale.data.prepare import prepare_task
+from rlt_scale.data.tasks import transition_table
+from rlt_scale.experiments import state_tracking as st
+from rlt_scale.experiments.baselines import BaselineConfig, build_baseline, count_parameters
+from rlt_scale.experiments.early_stopping import EarlyStopper
+from rlt_scale.experiments.evaluate import (
+    ANSWER_TOKENS,
+    batches_of,
+    evaluate_accuracy,
+    evaluate_path,
+    predictions,
+)
+
+V = 260
+
+
+def _one_hot(ids: torch.Tensor) -> torch.Tensor:
+    logits = torch.full((len(ids), V), -1.0)
+    logits[torch.arange(len(ids)), ids] = 1.0
+    return logits
+
+
+def _answers(path) -> np.ndarray:
+    return np.concatenate([b["tokens"][b["loss_mask"][:, -1], -1].numpy() for b in batches_of(str(path), 64)])
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sets")
+    prepare_task("parity", root / "parity", num_samples=8, length=12, seed=3, eval_samples=301)
+    prepare_task("five_state", root / "five", num_samples=8, length=9, seed=4, eval_samples=250)
+    return root
+
+
+# --------------------------------------------------------------- evaluation
+def test_perfect_parity_predictor_scores_one(sets):
+    def perfect(tokens, doc, mask):  # computes the parity from the body, never reads the answer
+        bits = tokens[:, 1:-2] - ord("0")
+        return _one_hot(ord("0") + bits.sum(dim=1) % 2)
+
+    acc = evaluate_path(perfect, str(sets / "parity" / "eval"), ANSWER_TOKENS["parity"], batch_size=64)
+    assert acc.total == 301  # 301 = 4 * 64 + 45: the padding rows of the last batch are not counted
+    assert acc.accuracy == 1.0
+
+
+def test_perfect_five_state_predictor_scores_one(sets):
+    table = torch.as_tensor(transition_table(0))
+
+    def perfect(tokens, doc, mask):
+        state = torch.zeros(len(tokens), dtype=torch.long)
+        for t in range(1, tokens.shape[1] - 2):
+            state = table[tokens[:, t] - ord("a"), state]
+        return _one_hot(ord("0") + state)
+
+    assert evaluate_path(perfect, str(sets / "five" / "eval"), ANSWER_TOKENS["five_state"]).accuracy == 1.0
+
+
+@pytest.mark.parametrize("task, folder, answer", [("parity", "parity", "0"), ("parity", "parity", "1"),
+                                                  ("five_state", "five", "3")])
+def test_constant_predictor_scores_the_class_frequency(sets, task, folder, answer):
+    def constant(tokens, doc, mask):
+        return _one_hot(torch.full((len(tokens),), ord(answer)))
+
+    path = sets / folder / "eval"
+    freq = float(np.mean(_answers(path) == ord(answer)))
+    assert 0.0 < freq < 1.0
+    assert evaluate_path(constant, str(path), ANSWER_TOKENS[task], batch_size=32).accuracy == pytest.approx(freq)
+
+
+def test_predictions_are_restricted_to_answer_tokens():
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 10.0  # not an answer token
+    logits[0, ord("1")] = 1.0
+    logits[1, ord("0")] = 1.0
+    assert predictions(logits, ANSWER_TOKENS["parity"]).tolist() == [ord("1"), ord("0")]
+    assert predictions(logits).tolist() == [7, 7]
+
+
+def test_max_samples_limits_the_count(sets):
+    acc = evaluate_accuracy(lambda t, d, m: _one_hot(t[:, -1]), batches_of(str(sets / "parity" / "eval"), 64),
+                            ANSWER_TOKENS["parity"], max_samples=100)
+    assert (acc.total, acc.accuracy) == (100, 1.0)
+
+
+# ------------------------------------------------------- baselines, stopping
+@pytest.mark.parametrize("path", ["configs/experiments/transformer.yaml", "configs/experiments/gru.yaml"])
+def test_baselines_are_parameter_matched_and_causal(path):
+    from omegaconf import OmegaConf
+
+    bcfg = BaselineConfig(**OmegaConf.to_container(OmegaConf.load(path))["baseline"])
+    torch.manual_seed(0)
+    model = build_baseline(bcfg)
+    assert abs(count_parameters(model) - 79_320) / 79_320 < 0.05  # RLT-1's unique parameters
+    tokens = torch.randint(0, 259, (3, 11))
+    logits = model(tokens)
+    assert logits.shape == (3, 11, V)
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % 259
+    assert torch.allclose(model(changed)[:, :7], logits[:, :7], atol=1e-6)  # no position sees the future
+    assert model.forward_flops(34) > 0
+
+
+def test_early_stopper_keeps_the_best_weights_and_stops():
+    net = torch.nn.Linear(2, 1)
+    stopper = EarlyStopper(target=0.99, patience=2, min_delta=0.0)
+    assert not stopper.update(10, 0.6, net)
+    best = net.weight.detach().clone()
+    with torch.no_grad():
+        net.weight.add_(1.0)
+    assert not stopper.update(20, 0.5, net)
+    assert stopper.update(30, 0.55, net)  # two evaluations without gain
+    stopper.restore(net)
+    assert torch.equal(net.weight, best) and stopper.best_step == 10
+    assert EarlyStopper(target=0.9).update(5, 0.95, net)  # solved
+
+
+def test_markdown_table_reports_mean_min_max():
+    recs = [{"key": f"parity-rlt1-s{s}", "task": "parity", "model": "rlt1", "tag": "", "seed": s, "parameters": 79320,
+             "train_length": 32, "steps": 100, "train_time_s": 1.0, "forward_flops_per_example": 2e6,
+             "acc": {"16": a, "32": a}} for s, a in [(0, 0.5), (1, 1.0), (2, 0.75)]]
+    table = st.markdown_table(recs)
+    assert "75.0 [50.0, 100.0]" in table and "~100 / ~100 / ~82 / 60.8" in table
+
+
+# ------------------------------------------------- the pipeline, end to end
+# RLT-1 at the framework's default init (std 0.02) sits on the parity plateau for
+# thousands of steps even at 6 bits (docs/RESULTS.md); a larger init escapes it fast.
+# 4-bit parity with init std 0.3 reaches >= 90% validation accuracy within 50-150 steps
+# for seeds 0-3 (measured); the assertion leaves a wide margin.
+TINY_RLT = ["model.d_model=32", "model.n_heads=2", "model.window=4", "model.init_std=0.3",
+            "trainer.micro_batch_size=32", "trainer.eval_interval=50", "optimizer.lr=3e-3",
+            "optimizer.min_lr=3e-3", "optimizer.warmup_steps=20"]
+
+
+def tiny_protocol(root) -> dict:
+    proto = st.load_protocol()
+    proto.update(data_root=str(root / "data"), val_samples=256, eval_samples=512)
+    proto["early_stopping"] = {"target": 0.98, "patience": 0, "min_delta": 0.0}
+    proto["tasks"] = {"parity": {"train_length": 4, "train_samples": 4000, "max_steps": 400, "eval_lengths": [4, 8]}}
+    return proto
+
+
+def test_tiny_rlt_learns_parity_through_the_pipeline(tmp_path):
+    """One tiny seed of RLT-1 on 4-bit parity: clearly above chance (50%) at the training length."""
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity")
+    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", extra=TINY_RLT)
+    assert record["acc"]["4"] >= 0.8, record
+    assert record["steps"] <= 400 and record["best_val_acc"] >= 0.8
+    assert 0.0 <= record["acc"]["8"] <= 1.0  # a longer test length runs through the same path
+    st.save_results(tmp_path / "out" / "results.json", [record])
+    assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["key"] == "parity-rlt1-s0"
+    assert "RLT-1" in st.markdown_table([record])
