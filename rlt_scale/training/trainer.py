@@ -168,23 +168,25 @@ class Trainer:
         counts = torch.tensor([sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)], dtype=torch.float64)
         n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
         loss_sum = torch.zeros(1, dtype=torch.float64)
-        if self.ring is not None:
+        if self.zero is None:  # DeepSpeed manages (partitioned) gradients itself
             self.optimizer.zero_grad(set_to_none=True)
+        if self.ring is not None:
             loss_sum += self.ring.forward_backward(batches, n_targets)
         else:
-            if self.zero is None:
-                self.optimizer.zero_grad(set_to_none=True)
             for i, batch in enumerate(batches):
                 with self._autocast():
                     out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-                if self.zero is not None:  # DeepSpeed sums over DP ranks itself
-                    self.zero.backward(out.loss_sum / n_targets, last=i == len(batches) - 1)
-                else:
-                    (out.loss_sum / n_targets).backward()
+                self._backward(out.loss_sum / n_targets, last=i == len(batches) - 1)
                 loss_sum += out.loss_sum.detach().double().cpu()
         if self.zero is None:
             reduce_gradients(self.model, self.ctx)
         return float(dp_sum(loss_sum, self.ctx)[0]) / n_targets
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.zero is not None:  # DeepSpeed sums over the DP ranks itself
+            self.zero.backward(loss, last=last)
+        else:
+            loss.backward()
 
     def optimizer_step(self) -> float:
         """Clip by the global norm over all shards, step, advance the schedule; returns the norm."""
