@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plots]'
+	$(BIN)/pip install -q -e '.[test,plots,hf]'
 	touch $(STAMP)
 
 setup: $(STAMP)
