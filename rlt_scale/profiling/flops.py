@@ -1,0 +1,236 @@
+"""Analytic FLOPs of one RLT training step, per layer application.
+
+Counted per application, not per parameter (DESIGN.md section 6): a tied
+block does encoder work *and* decoder work; the SwiGLU FFN has three
+matrices (``2 * d * 2f`` for the fused gate/up plus ``2 * f * d`` for the
+down projection, i.e. ``6 d f``, not the ``4 d h`` of a plain MLP).
+
+Two numbers per component:
+
+* ``model``: the *useful* forward work of DESIGN.md section 1. Attention at
+  position ``t`` reads ``t`` keys (encoder, cross-attention over memory
+  entries ``1..t``) or ``min(t, W)`` keys (decoder window). MFU uses
+  ``3 x model`` (forward + backward = 2 x forward).
+* ``fwd`` / ``bwd`` / ``attn_recompute`` / ``ckpt_recompute``: the matmul
+  work the code *executes*, exactly what ``FlopCounterMode`` counts. The
+  code runs dense attention under masks, so it executes more than it needs:
+  the encoder's causal attention is a full ``T x T`` product; the decoder's
+  window attention of a segment of ``S`` positions reads its carried cache
+  (``min(W-1, start)`` entries) plus the ``S`` new keys; its cross-attention
+  reads the memory up to the segment end. A fused attention backward
+  recomputes the scores (``attn_recompute``, half a forward); chunk
+  checkpointing re-runs the merge, decoder and readout forward in backward
+  (``ckpt_recompute``). HFU uses the sum of all four.
+
+``vector`` is a rough forward estimate of the non-matmul work (norms,
+rotary, softmax, SwiGLU gating, loss). ``FlopCounterMode`` does not count it
+and MFU/HFU exclude it, as is conventional; it is there to show it is small.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+
+from rlt_scale.config import ModelConfig
+from rlt_scale.profiling.workload import Workload
+
+# Non-matmul FLOPs per element (rough, forward only; see module docstring).
+NORM_PER_ELEM = 4       # square, mean, rsqrt-scale, weight
+ROTARY_PER_ELEM = 3     # two products and a sum per rotated element
+SOFTMAX_PER_SCORE = 5   # scale, max, exp, sum, divide
+SWIGLU_PER_UNIT = 5     # silu (~4) and the gating product
+LOSS_PER_LOGIT = 4      # log-softmax and the pick
+
+FLOP_FIELDS = ("model", "fwd", "bwd", "attn_recompute", "ckpt_recompute", "vector")
+
+
+@dataclass
+class ComponentFlops:
+    """FLOPs of one component (e.g. ``ffn``) of one layer (e.g. ``decoder.1``) for a whole step."""
+
+    layer: str
+    component: str
+    model: int = 0
+    fwd: int = 0
+    bwd: int = 0
+    attn_recompute: int = 0
+    ckpt_recompute: int = 0
+    vector: int = 0
+
+    @property
+    def executed(self) -> int:
+        """Hardware FLOPs: everything the step runs, recomputation included."""
+        return self.fwd + self.bwd + self.attn_recompute + self.ckpt_recompute
+
+    @property
+    def model_step(self) -> int:
+        """Model FLOPs of the step: useful forward plus its 2x backward."""
+        return 3 * self.model
+
+
+@dataclass
+class FlopReport:
+    """Per-component analytic FLOPs of one step of ``work`` on one tensor-parallel rank."""
+
+    work: Workload
+    tp: int
+    rows: list[ComponentFlops] = field(default_factory=list)
+
+    def layers(self) -> list[str]:
+        return list(OrderedDict.fromkeys(r.layer for r in self.rows))
+
+    def by_layer(self) -> "OrderedDict[str, ComponentFlops]":
+        """Rows summed per layer (component ``*``), in execution order."""
+        out: OrderedDict[str, ComponentFlops] = OrderedDict()
+        for r in self.rows:
+            acc = out.setdefault(r.layer, ComponentFlops(r.layer, "*"))
+            for name in FLOP_FIELDS:
+                setattr(acc, name, getattr(acc, name) + getattr(r, name))
+        return out
+
+    def total(self) -> ComponentFlops:
+        acc = ComponentFlops("total", "*")
+        for r in self.rows:
+            for name in FLOP_FIELDS:
+                setattr(acc, name, getattr(acc, name) + getattr(r, name))
+        return acc
+
+    @property
+    def model_flops(self) -> int:
+        """MFU numerator for the step."""
+        return self.total().model_step
+
+    @property
+    def hardware_flops(self) -> int:
+        """HFU numerator for the step (equals what FlopCounterMode counts)."""
+        return self.total().executed
+
+    def to_dict(self) -> dict:
+        tot = self.total()
+        return {
+            "workload": asdict(self.work),
+            "tp": self.tp,
+            "model_flops": self.model_flops,
+            "hardware_flops": self.hardware_flops,
+            "model_flops_per_token": self.model_flops / self.work.tokens,
+            "hardware_flops_per_token": self.hardware_flops / self.work.tokens,
+            "total": asdict(tot),
+            "rows": [asdict(r) for r in self.rows],
+        }
+
+
+def decoder_segments(cfg: ModelConfig, work: Workload) -> list[tuple[int, int]]:
+    """Absolute ``[start, end)`` of every decoder segment, as ``RLT.segments`` cuts them.
+
+    Chunks are cut every ``C`` positions; inside a chunk, K=0 runs it whole,
+    K=1 one position at a time, K>1 cuts at multiples of K (and at the chunk
+    start, so a chunk boundary inside a block splits the block).
+    """
+    k, out = cfg.feedback_block, []
+    for a in range(0, work.seq_len, work.chunk):
+        b = min(a + work.chunk, work.seq_len)
+        if k == 0:
+            cuts = [a, b]
+        else:
+            cuts = [a] + [p for p in range(a + 1, b) if p % k == 0] + [b]
+        out.extend(zip(cuts[:-1], cuts[1:]))
+    return out
+
+
+def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
+    """(query, key) pairs per sample: useful and executed, for the three attentions."""
+    t_len, w = work.seq_len, cfg.window
+    window_exec = cross_exec = 0
+    for start, end in decoder_segments(cfg, work):
+        s = end - start
+        window_exec += s * (min(w - 1, start) + s)
+        cross_exec += s * end
+    causal = t_len * (t_len + 1) // 2
+    return {
+        "encoder_useful": causal, "encoder_exec": t_len * t_len,
+        "window_useful": sum(min(t, w) for t in range(1, t_len + 1)), "window_exec": window_exec,
+        "cross_useful": causal, "cross_exec": cross_exec,
+    }
+
+
+def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
+    """FLOPs of one forward+backward of ``work`` on one of ``tp`` tensor-parallel ranks.
+
+    Column/row-parallel projections, attention heads and the vocabulary are
+    split ``tp`` ways; the merge (replicated, DESIGN.md section 3) is not.
+    """
+    d, f, vocab = cfg.d_model, cfg.ffn_size, cfg.vocab_size
+    bsz, n_tok = work.batch, work.tokens
+    d_tp, f_tp, v_tp, h_tp = d // tp, f // tp, vocab // tp, cfg.n_heads // tp
+    pairs = _attention_pairs(cfg, work)
+    report = FlopReport(work, tp)
+    rows = report.rows
+
+    def linear(layer: str, comp: str, d_in: int, d_out: int, vector: int = 0) -> None:
+        fl = 2 * n_tok * d_in * d_out
+        rows.append(ComponentFlops(layer, comp, model=fl, fwd=fl, bwd=2 * fl, vector=vector))
+
+    def attention(layer: str, comp: str, useful: int, executed: int, rotated: int) -> None:
+        # q @ k^T and p @ v: 2 matmuls of 2*hd FLOPs per (query, key, head).
+        per_pair = 4 * bsz * d_tp
+        fwd = per_pair * executed
+        vector = bsz * (SOFTMAX_PER_SCORE * h_tp * executed + ROTARY_PER_ELEM * rotated * d_tp * work.seq_len)
+        rows.append(ComponentFlops(layer, comp, model=per_pair * useful, fwd=fwd, bwd=2 * fwd,
+                                   attn_recompute=fwd // 2, vector=vector))
+
+    def norms(layer: str, count: int, positions: int = n_tok) -> None:
+        rows.append(ComponentFlops(layer, "norm", vector=NORM_PER_ELEM * count * positions * d))
+
+    rows.append(ComponentFlops("embed", "embed"))
+    for i in range(cfg.n_enc_layers):
+        layer = f"encoder.{i}"
+        norms(layer, 2)
+        linear(layer, "qkv", d, 3 * d_tp)
+        attention(layer, "attn", pairs["encoder_useful"], pairs["encoder_exec"], rotated=2)
+        linear(layer, "out", d_tp, d, vector=n_tok * d)
+        linear(layer, "ffn", d, 2 * f_tp, vector=n_tok * (SWIGLU_PER_UNIT * f_tp + d))
+        linear(layer, "ffn", f_tp, d)
+    for g in range(cfg.memory_groups):
+        layer = f"memory.{g}"
+        norms(layer, 1)
+        linear(layer, "kv", d, 2 * d_tp, vector=ROTARY_PER_ELEM * n_tok * d_tp)
+    if cfg.feedback_block:
+        n_seg = len(decoder_segments(cfg, work))
+        norms("merge", 1, positions=bsz * n_seg)
+        linear("merge", "gate", 2 * d, d, vector=n_tok * 4 * d)
+        linear("merge", "proj", d, d, vector=n_tok * 3 * d)
+    for i in range(cfg.n_dec_layers):
+        layer = f"decoder.{i}"
+        norms(layer, 3)
+        linear(layer, "qkv", d, 3 * d_tp)
+        attention(layer, "attn", pairs["window_useful"], pairs["window_exec"], rotated=2)
+        linear(layer, "out", d_tp, d, vector=n_tok * d)
+        linear(layer, "cross_q", d, d_tp)
+        attention(layer, "cross", pairs["cross_useful"], pairs["cross_exec"], rotated=1)
+        linear(layer, "cross_out", d_tp, d, vector=n_tok * d)
+        linear(layer, "ffn", d, 2 * f_tp, vector=n_tok * (SWIGLU_PER_UNIT * f_tp + d))
+        linear(layer, "ffn", f_tp, d)
+    norms("readout", 1)
+    linear("readout", "readout", d, v_tp)
+    rows.append(ComponentFlops("loss", "loss", vector=LOSS_PER_LOGIT * n_tok * v_tp))
+
+    _merge_duplicates(report)
+    if work.checkpoint:
+        for r in rows:
+            if r.layer in ("merge", "readout", "loss") or r.layer.startswith("decoder."):
+                r.ckpt_recompute = r.fwd
+    return report
+
+
+def _merge_duplicates(report: FlopReport) -> None:
+    """Sum rows that share (layer, component), e.g. the two FFN matrices."""
+    merged: OrderedDict[tuple[str, str], ComponentFlops] = OrderedDict()
+    for r in report.rows:
+        acc = merged.get((r.layer, r.component))
+        if acc is None:
+            merged[(r.layer, r.component)] = r
+        else:
+            for name in FLOP_FIELDS:
+                setattr(acc, name, getattr(acc, name) + getattr(r, name))
+    report.rows[:] = list(merged.values())
