@@ -198,6 +198,7 @@ def plot(path: str | Path, flops: FlopReport, mem: MemoryReport, measured: Optio
                    label="measured", zorder=4)
     ax.set_title(f"GFLOP per step, executed, by component\n{flops.work.describe()}")
     ax.set_yticks(y, layers)
+    ax.margins(x=0.04)
     ax.invert_yaxis()
     _legend(ax)
     ax.grid(axis="x", alpha=0.3)
