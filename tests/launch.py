@@ -32,3 +32,16 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = 480) -> 
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def layout_overrides(data, run_dir, micro: int, dtype: str, extra: list[str]) -> list[str]:
+    """The tiny model and 3-step run that the layout tests (plain, ZeRO) compare across layouts."""
+    precision = {"float64": "fp64", "float32": "fp32"}[dtype]
+    return [
+        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
+        "model.d_model=16", "model.n_heads=4", "model.window=3", "model.vocab_size=260", "model.ffn_hidden_size=32",
+        f"model.params_dtype={dtype}", "model.feedback_scale=0.5", f"trainer.precision={precision}",
+        "trainer.max_steps=3", f"trainer.micro_batch_size={micro}", "trainer.grad_accum_steps=2",
+        "trainer.eval_interval=0", "trainer.device=cpu", "checkpoint.interval=0", "parallel.timeout_s=60",
+        "optimizer.grad_clip=0.5", "optimizer.warmup_steps=1",
+    ] + extra

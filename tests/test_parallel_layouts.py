@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import torchrun
+from launch import layout_overrides, torchrun
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -30,14 +30,7 @@ def data(tmp_path_factory):
 
 def _run(tmp_path, data, name, nproc, micro, extra):
     out = tmp_path / f"{name}.pt"
-    overrides = [
-        f"data.path={data}", f"checkpoint.dir={tmp_path / name}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=4", "model.window=3", "model.vocab_size=260", "model.ffn_hidden_size=32",
-        "model.params_dtype=float64", "model.feedback_scale=0.5", "trainer.precision=fp64",
-        "trainer.max_steps=3", f"trainer.micro_batch_size={micro}", "trainer.grad_accum_steps=2",
-        "trainer.eval_interval=0", "trainer.device=cpu", "checkpoint.interval=0", "parallel.timeout_s=60",
-        "optimizer.grad_clip=0.5", "optimizer.warmup_steps=1",
-    ] + extra
+    overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra)
     torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
     merged = {"losses": stages[0]["losses"], "norms": stages[0]["norms"], "grads": {}, "params": {}}

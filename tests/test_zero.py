@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import torchrun
+from launch import layout_overrides, torchrun
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import ConfigError
 
@@ -55,14 +55,7 @@ def data(tmp_path_factory):
 
 
 def _overrides(tmp_path: Path, data: Path, name: str, micro: int, extra: list[str]) -> list[str]:
-    return [
-        f"data.path={data}", f"checkpoint.dir={tmp_path / name}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=4", "model.window=3", "model.vocab_size=260", "model.ffn_hidden_size=32",
-        "model.params_dtype=float32", "model.feedback_scale=0.5", "trainer.precision=fp32",
-        "trainer.max_steps=3", f"trainer.micro_batch_size={micro}", "trainer.grad_accum_steps=2",
-        "trainer.eval_interval=0", "trainer.device=cpu", "checkpoint.interval=0", "parallel.timeout_s=60",
-        "optimizer.grad_clip=0.5", "optimizer.warmup_steps=1",
-    ] + extra
+    return layout_overrides(data, tmp_path / name, micro, "float32", extra)
 
 
 SCHEDULES = {
