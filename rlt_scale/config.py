@@ -289,14 +289,8 @@ class Config:
         for name in ("n_enc_layers", "n_dec_layers"):
             if getattr(self.model, name) % self.parallel.pp:
                 raise ConfigError("parallel.pp", f"must divide model.{name}={getattr(self.model, name)}")
-        if self.parallel.pp > 1 and self.trainer.activation_checkpointing != "none":
-            raise ConfigError("trainer.activation_checkpointing", "not yet supported with the ring pipeline (parallel.pp > 1)")
-        if self.parallel.pp > 1 and self.trainer.tbptt_chunks:
-            raise ConfigError("trainer.tbptt_chunks", "truncated BPTT is not yet supported with the ring pipeline (parallel.pp > 1)")
         if self.parallel.zero_stage == 3:
             raise ConfigError("parallel.zero_stage", "ZeRO-3 is not supported; use 1 or 2 (or 0 for plain DDP)")
-        if self.parallel.zero_stage and self.parallel.pp > 1:
-            raise ConfigError("parallel.zero_stage", "ZeRO is not supported with the ring pipeline (parallel.pp > 1)")
         if self.parallel.zero_stage and self.model.params_dtype != "float32":
             raise ConfigError("model.params_dtype", "DeepSpeed ZeRO-1/2 keeps fp32 master weights: use float32")
         return self

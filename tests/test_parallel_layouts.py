@@ -1,9 +1,11 @@
-"""Every TP x DP layout trains the same model as one process (DESIGN.md section 3).
+"""Every TP x PP x DP layout trains the same model as one process (DESIGN.md section 3).
 
 Each layout runs 3 optimizer steps of the real trainer under torchrun (gloo,
 CPU, float64). Compared with the one-process run of the same data:
 the loss of every step, every gradient of step 1 (TP shards gathered to full
-shape) and every parameter after step 3.
+shape), every parameter after step 3 and the evaluation loss after it.
+Schedules cover K=1 and K>1, chunk activation checkpointing and truncated
+BPTT (inside the ring pipeline too).
 
 Tolerances: data parallelism only changes the order of a sum: 1e-10
 relative. Tensor parallelism also routes the loss through megatron's
@@ -24,18 +26,20 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=0)
+    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=16)
     return out
 
 
 def _run(tmp_path, data, name, nproc, micro, extra):
     out = tmp_path / f"{name}.pt"
-    overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra)
+    overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra) + [f"data.eval_path={data}/eval"]
     torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
-    merged = {"losses": stages[0]["losses"], "norms": stages[0]["norms"], "grads": {}, "params": {}}
+    merged = {"losses": stages[0]["losses"], "norms": stages[0]["norms"], "eval_loss": stages[0]["eval_loss"],
+              "grads": {}, "params": {}}
     for stage in stages:
         assert stage["losses"] == merged["losses"] and stage["norms"] == merged["norms"]
+        assert stage["eval_loss"] == merged["eval_loss"]
         for key in ("grads", "params"):
             for name_, value in stage[key].items():
                 if name_ in merged[key]:  # a memory projection replicated on several stages
@@ -61,15 +65,19 @@ SCHEDULES = {
     "K1-ckpt": ["model.feedback_block=1", "trainer.chunk_size=4", "trainer.activation_checkpointing=chunk"],
     "K3-nockpt": ["model.feedback_block=3", "trainer.chunk_size=5"],
     "K1-G2": ["model.feedback_block=1", "model.memory_groups=2"],
+    # feedback blocks straddle chunks (3 vs 2); every second chunk cuts s, the caches and the memory
+    "K3-tbptt-ckpt": ["model.feedback_block=3", "trainer.chunk_size=2", "trainer.tbptt_chunks=2",
+                      "trainer.tbptt_detach=[s,cache,memory]", "trainer.activation_checkpointing=chunk"],
+    "K1-tbptt": ["model.feedback_block=1", "trainer.chunk_size=3", "trainer.tbptt_chunks=1"],
     # 4 stages of one layer each, M=4 micro-batches circulating in the ring
     "K2-L4-M4": ["model.feedback_block=2", "model.n_enc_layers=4", "model.n_dec_layers=4",
                  "trainer.grad_accum_steps=4"],
 }
-# The ring pipeline does not do chunk checkpointing yet; TP/DP do not need the G=L_D case again.
-CASES = [(layout, schedule) for layout in LAYOUTS if layout != "pp4" for schedule in SCHEDULES
-         if schedule != "K2-L4-M4"
-         and ((schedule == "K1-ckpt") != layout.startswith(("pp", "tp2xpp")) or schedule == "K3-nockpt")]
-CASES.append(("pp4", "K2-L4-M4"))
+BASIC = ("K1-ckpt", "K3-nockpt", "K1-G2")
+# Memory groups read on several stages (K1-G2 vs G=1) only matter to the pipeline.
+CASES = [(layout, schedule) for layout in LAYOUTS if layout != "pp4" for schedule in BASIC
+         if "pp" in layout or schedule != "K1-G2"]
+CASES += [("pp2", "K3-tbptt-ckpt"), ("pp2", "K1-tbptt"), ("tp2xpp2", "K3-tbptt-ckpt"), ("pp4", "K2-L4-M4")]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +102,7 @@ def test_layout_matches_single_process(tmp_path, data, reference, layout, schedu
         assert abs(a - b) <= tol * abs(b)
     for a, b in zip(got["norms"], ref["norms"]):
         assert abs(a - b) <= tol * abs(b)
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= tol * ref["eval_loss"]
     assert got["grads"].keys() == ref["grads"].keys()
     for name in ref["grads"]:
         assert got["grads"][name].shape == ref["grads"][name].shape, name

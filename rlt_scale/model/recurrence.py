@@ -41,6 +41,21 @@ class Schedule:
     def from_trainer(cls, t) -> "Schedule":
         return cls(t.chunk_size, t.activation_checkpointing == "chunk", t.tbptt_chunks, frozenset(t.tbptt_detach))
 
+    def truncates_at(self, position: int) -> bool:
+        """Whether truncated BPTT cuts the carried state at the chunk boundary ``position``."""
+        span = self.chunk_size * self.tbptt_chunks
+        return bool(span) and position > 0 and position % span == 0
+
+    def truncation_start(self, position: int) -> int:
+        """The last truncation point at or before ``position`` (0 when there is none)."""
+        span = self.chunk_size * self.tbptt_chunks
+        return (position // span) * span if span else 0
+
+    def chunks(self, length: int) -> list[tuple[int, int]]:
+        """``[a, b)`` of every chunk of a sample of ``length`` positions."""
+        chunk = self.chunk_size or length
+        return [(a, min(a + chunk, length)) for a in range(0, length, chunk)]
+
     def describe(self) -> str:
         grad = "exact BPTT"
         if self.tbptt_chunks:
@@ -101,12 +116,10 @@ def run_sequence(
     visible_memory = memory
     state = model.initial_state(batch, x.device)
 
-    chunk = schedule.chunk_size or length
     total = torch.zeros((), dtype=e.dtype, device=x.device)
     all_logits = []
-    for index, a in enumerate(range(0, length, chunk)):
-        b = min(a + chunk, length)
-        if schedule.tbptt_chunks and index and index % schedule.tbptt_chunks == 0:
+    for a, b in schedule.chunks(length):
+        if schedule.truncates_at(a):
             state = state.detach(s="s" in schedule.detach, cache="cache" in schedule.detach)
             if "memory" in schedule.detach:
                 visible_memory = [m.detach_before(a) for m in memory]

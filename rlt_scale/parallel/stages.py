@@ -74,6 +74,7 @@ def cut_to_stage(model: RLT, plan: StagePlan) -> RLT:
         elif stages_reading_group(cfg, g, plan.n_stages)[0] != plan.stage:
             for p in model.memory[g].parameters():
                 p.pipeline_replica = True  # counted once (on the owner) in the gradient norm
+                p.ds_pipe_replicated = True  # the same rule for DeepSpeed ZeRO's norm
     if not plan.first:
         model.embed = None
     if not plan.last:

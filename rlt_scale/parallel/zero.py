@@ -35,6 +35,7 @@ are rejected here.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 from typing import Any, Optional
@@ -162,8 +163,6 @@ class ZeroDataParallel:
                  micro_batch_size: int, grad_accum_steps: int, grad_clip: float, skip_shm_op: bool = True):
         if zero_stage not in (1, 2):
             raise ConfigError("parallel.zero_stage", f"ZeroDataParallel supports ZeRO stage 1 or 2, got {zero_stage}")
-        if ctx.pp > 1:
-            raise ConfigError("parallel.pp", "ZeRO with pipeline parallelism is not supported")
         dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
         if dtypes != {torch.float32}:
             raise ConfigError("model.params_dtype", f"DeepSpeed ZeRO-1/2 trains fp32 parameters "
@@ -200,6 +199,24 @@ class ZeroDataParallel:
         self.engine.set_gradient_accumulation_boundary(bool(last))
         self.engine.backward(loss, scale_wrt_gas=False)  # no 1/grad_accum_steps
         self._boundary_done = bool(last)
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """All of a step's gradients come from many partial backward passes inside this block.
+
+        The ring pipeline back-propagates segment by segment, so there is no
+        single loss to hand to ``engine.backward``. DeepSpeed's
+        ``coalesce_grad_reduction`` lets those passes accumulate plain
+        ``.grad`` on the parameters and reduces them into ZeRO's partitions
+        once, on exit; the block is the step's last (and only) micro-batch.
+        """
+        if self._boundary_done or self._micro:
+            raise RuntimeError("accumulate() must hold all of a step's backward passes; call step() first")
+        self.engine.optimizer.clear_backward_seen_flag()
+        self.engine.set_gradient_accumulation_boundary(True)
+        with self.engine.coalesce_grad_reduction():
+            yield
+        self._micro, self._boundary_done = 1, True
 
     def step(self, lr: float) -> float:
         """Set the learning rate, clip by the global grad norm, step; returns that norm (before clipping)."""

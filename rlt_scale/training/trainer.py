@@ -85,10 +85,11 @@ class Trainer:
                 f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {cfg.model.vocab_size}",
             )
         self.model: RLT = build_model(cfg.model, self.ctx.tp_group).to(self.device)
+        self.schedule = Schedule.from_trainer(t)
         self.ring: Optional[RingPipeline] = None
         if self.ctx.pp > 1:
             plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
-            self.ring = RingPipeline(cut_to_stage(self.model, plan), plan, self.ctx)
+            self.ring = RingPipeline(cut_to_stage(self.model, plan), plan, self.ctx, self.schedule)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.zero: Optional[ZeroDataParallel] = None
         if cfg.parallel.zero_stage:
@@ -98,7 +99,6 @@ class Trainer:
                 grad_clip=cfg.optimizer.grad_clip,
             )
         self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
-        self.schedule = Schedule.from_trainer(t)
         self.rng = RNGState()
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep,
                                              rank=self.ctx.rank, world_size=self.ctx.world_size)
@@ -171,7 +171,9 @@ class Trainer:
         if self.zero is None:  # DeepSpeed manages (partitioned) gradients itself
             self.optimizer.zero_grad(set_to_none=True)
         if self.ring is not None:
-            loss_sum += self.ring.forward_backward(batches, n_targets)
+            # The ring runs many partial backward passes; ZeRO reduces their sum once.
+            with self.zero.accumulate() if self.zero is not None else contextlib.nullcontext():
+                loss_sum += self.ring.forward_backward(batches, n_targets)
         else:
             for i, batch in enumerate(batches):
                 with self._autocast():
@@ -208,19 +210,26 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         path = self.cfg.data.eval_path
-        if not path or self.ring is not None:  # forward-only ring evaluation is not written yet
+        if not path:
             return None
         self.model.eval()
-        loader = StreamingLoader(self.cfg.data, batch_size=self.cfg.trainer.micro_batch_size,
+        t = self.cfg.trainer
+        loader = StreamingLoader(self.cfg.data, batch_size=t.micro_batch_size,
                                  dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, path=path)
+        batches = [self._to_device(b) for _, b in zip(range(t.eval_batches), loader.iter_epoch_once())]
         sums = torch.zeros(2, dtype=torch.float64)
-        for i, batch in enumerate(loader.iter_epoch_once()):
-            if i >= self.cfg.trainer.eval_batches:
-                break
-            batch = self._to_device(batch)
+        # The ring takes grad_accum_steps micro-batches per pass, as in training.
+        groups = ([batches[i:i + t.grad_accum_steps] for i in range(0, len(batches), t.grad_accum_steps)]
+                  if self.ring is not None else [[b] for b in batches])
+        for group in groups:
             with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
-            sums += torch.tensor([float(out.loss_sum), float(out.n_targets)], dtype=torch.float64)
+                if self.ring is not None:
+                    loss_sum, n_targets = self.ring.forward_loss(group)
+                else:
+                    out = run_sequence(self.model, group[0]["tokens"], group[0]["doc_ids"], group[0]["loss_mask"],
+                                       self.schedule)
+                    loss_sum, n_targets = float(out.loss_sum), float(out.n_targets)
+            sums += torch.tensor([loss_sum, n_targets], dtype=torch.float64)
         sums = dp_sum(sums, self.ctx)
         return float(sums[0] / sums[1].clamp(min=1))
 

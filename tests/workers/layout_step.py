@@ -3,8 +3,9 @@
     torchrun --nproc-per-node N tests/workers/layout_step.py OUT_FILE key=value ...
 
 The first rank of each pipeline stage writes the step losses, grad norms, the
-stage's full (TP-gathered) gradients of the first step and its full
-parameters after the last step to OUT_FILE.stage<N>.
+stage's full (TP-gathered) gradients of the first step, its full
+parameters after the last step and the evaluation loss (``data.eval_path``)
+to OUT_FILE.stage<N>.
 """
 
 import sys
@@ -30,8 +31,9 @@ def main() -> None:
             first_grads = full_state(trainer.model, ctx.tp_group, grads=True)
         norms.append(trainer.optimizer_step())
     params = full_state(trainer.model, ctx.tp_group)
+    eval_loss = trainer.evaluate()
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one file per pipeline stage
-        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params},
+        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params, "eval_loss": eval_loss},
                    f"{out_file}.stage{ctx.pp_rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -8,7 +8,7 @@ covers both. The step is the trainer's own ``forward_backward`` +
 ``optimizer_step``, which hand the DP reduction, clipping and the optimizer
 step to :class:`ZeroDataParallel`.
 
-Rank 0 writes, per stage: the step losses and grad norms, the full gradients
+The first rank of each pipeline stage writes to OUT_FILE.stage<N>, per ZeRO stage: the step losses and grad norms, the full gradients
 of step 1 (TP gathered) and the global norm of those gradients by
 ``rlt_scale.parallel.grad_norm.global_grad_norm``, the full parameters after
 step 3, and whether a save/load round trip of every rank's adapter state
@@ -90,8 +90,8 @@ def main() -> None:
         results[stage] = {"losses": losses, "norms": norms, "grads": first_grads, "norm_check": first_norm_check,
                           "params": params, "resume_bit_identical": bool(flag.item()),
                           "init_s": init_s, "steps_s": steps_s}
-    if ctx.rank == 0:
-        torch.save(results, out_file)
+    if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one file per pipeline stage
+        torch.save(results, f"{out_file}.stage{ctx.pp_rank}")
     dist.barrier()
     dist.destroy_process_group()
 

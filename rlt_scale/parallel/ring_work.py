@@ -1,0 +1,106 @@
+"""What the ring pipeline carries around: micro-batches, their segments, one segment's graph.
+
+Kept apart from :mod:`rlt_scale.parallel.pipeline` (the schedule and the
+communication) so that each file reads on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from rlt_scale.model.layers import document_positions
+from rlt_scale.model.recurrence import Schedule, split_batch
+from rlt_scale.model.rlt import RLT
+from rlt_scale.model.state import KV
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """A graph input: detached from whatever produced ``t``, gradients collected in ``.grad``."""
+    return t.detach().requires_grad_(True)
+
+
+def leaf_kv(kv: KV) -> KV:
+    return KV(leaf(kv.k), leaf(kv.v), kv.pos, kv.doc)
+
+
+@dataclass
+class SegmentWork:
+    """One segment of one micro-batch on this stage: leaves in, outputs out."""
+
+    z_in: torch.Tensor
+    caches_in: dict[int, KV]
+    caches_out: dict[int, KV]
+    z_out: torch.Tensor
+    f_in: Optional[torch.Tensor] = None       # last stage: feedback used by this segment
+    f_next: Optional[torch.Tensor] = None     # last stage: feedback for the next segment
+    u_next: Optional[torch.Tensor] = None     # last stage: merged input sent to stage 0
+    loss: Optional[torch.Tensor] = None       # last stage: summed CE of this segment
+
+
+@dataclass
+class Boundary:
+    """What chunk activation checkpointing keeps of a chunk: its incoming state."""
+
+    caches: dict[int, KV]
+    feedback: Optional[torch.Tensor]  # last stage only
+
+
+@dataclass
+class MicroBatch:
+    x: torch.Tensor
+    pos: torch.Tensor
+    doc: torch.Tensor
+    targets: torch.Tensor
+    valid: torch.Tensor
+    segments: list[tuple[int, int]]
+    """``[a, b)`` of every segment; segments never straddle a chunk boundary."""
+    chunk_first: list[int]
+    """For every segment, the index of the first segment of its chunk."""
+    enc_in: Optional[torch.Tensor] = None
+    enc_out: Optional[torch.Tensor] = None
+    e: Optional[torch.Tensor] = None                      # leaf: final encoder output
+    memory: dict[int, KV] = field(default_factory=dict)   # graph from e (or from e.detach() on replicas)
+    memory_leaves: dict[int, KV] = field(default_factory=dict)
+    work: dict[int, SegmentWork] = field(default_factory=dict)
+    pre: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # last stage: (u_0, f_0)
+    feedback: Optional[torch.Tensor] = None   # last stage: f_next of the newest segment run
+    received: dict[int, torch.Tensor] = field(default_factory=dict)  # checkpointing: z_in of every segment
+    boundaries: dict[int, Boundary] = field(default_factory=dict)    # checkpointing: state at chunk starts
+
+    @classmethod
+    def from_batch(cls, batch: dict, model: RLT, schedule: Schedule) -> "MicroBatch":
+        x, doc, targets, valid = split_batch(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
+        pos = document_positions(doc)
+        segments, chunk_first = [], []
+        for a, b in schedule.chunks(x.shape[1]):
+            first = len(segments)
+            for sa, sb in model.segments(pos[:, a:b]):
+                segments.append((a + sa, a + sb))
+                chunk_first.append(first)
+        return cls(x, pos, doc, targets, valid, segments, chunk_first)
+
+
+@dataclass
+class RingStats:
+    """This stage's view of the last forward/backward pass through the ring."""
+
+    ticks: int
+    """Ticks of the forward ring (the backward ring has as many)."""
+    busy: int
+    """Ticks at which this stage had a segment to run."""
+    wall_s: float = 0.0
+    """Wall time of the two ring passes."""
+    wait_s: float = 0.0
+    """Part of wall_s spent blocked in receives."""
+
+    @property
+    def idle_fraction(self) -> float:
+        """Scheduled idle share: 1 - busy/ticks (ideal (PP-1)/ticks when M >= PP)."""
+        return 1.0 - self.busy / self.ticks if self.ticks else 0.0
+
+    @property
+    def measured_idle_fraction(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s else 0.0
