@@ -18,7 +18,8 @@ gives the same numbers, because they all read the same feedback.
 
 from __future__ import annotations
 
-from typing import Optional
+import zlib
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -31,20 +32,45 @@ from rlt_scale.model.tp import TensorParallel
 
 
 class RLT(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel):
+    """The model; ``parts`` (optional) names the parts to build, e.g. one pipeline stage's.
+
+    Parts are ``embed``, ``encoder.<i>``, ``memory.<g>``, ``merge``,
+    ``decoder.<i>``, ``norm_out`` and ``readout``; a part not built is an
+    ``nn.Identity`` in its list, or ``None``. Each part draws its initial
+    weights from its own seed (one draw from torch's generator, plus the
+    part's name), so a part's weights are the same whichever other parts
+    are built: a pipeline stage holds exactly the single-process weights
+    without ever materialising the rest of the model.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, parts: Optional[Callable[[str], bool]] = None):
         super().__init__()
         self.cfg = cfg
         self.tp = tp
         self.n_local_heads = tp.local(cfg.n_heads, "model.n_heads")
-        self.embed = tp.vocab_embedding(cfg.vocab_size, cfg.d_model)
-        self.encoder = nn.ModuleList(EncoderBlock(cfg, tp) for _ in range(cfg.n_enc_layers))
-        self.memory = nn.ModuleList(MemoryProjection(cfg, tp) for _ in range(cfg.memory_groups))
-        self.merge = FeedbackMerge(cfg, tp.dtype) if cfg.feedback_block else None
+        base_seed = int(torch.randint(0, 2**31 - 1, ()))
+        wanted = parts or (lambda name: True)
+
+        def part(name: str, make: Callable[[], nn.Module], absent=None):
+            if not wanted(name):
+                return absent
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(base_seed + zlib.crc32(name.encode()))
+                return make()
+
+        self.embed = part("embed", lambda: tp.vocab_embedding(cfg.vocab_size, cfg.d_model))
+        self.encoder = nn.ModuleList(part(f"encoder.{i}", lambda: EncoderBlock(cfg, tp), nn.Identity())
+                                     for i in range(cfg.n_enc_layers))
+        self.memory = nn.ModuleList(part(f"memory.{g}", lambda: MemoryProjection(cfg, tp), nn.Identity())
+                                    for g in range(cfg.memory_groups))
+        self.merge = part("merge", lambda: FeedbackMerge(cfg, tp.dtype)) if cfg.feedback_block else None
         self.decoder = nn.ModuleList(
-            DecoderLayer(cfg, tp, self.encoder[i] if cfg.tie_layers else None) for i in range(cfg.n_dec_layers)
+            part(f"decoder.{i}", lambda: DecoderLayer(cfg, tp, self.encoder[i] if cfg.tie_layers else None),
+                 nn.Identity())
+            for i in range(cfg.n_dec_layers)
         )
-        self.norm_out = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
-        self.readout = tp.vocab_readout(cfg.d_model, cfg.vocab_size)
+        self.norm_out = part("norm_out", lambda: RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype))
+        self.readout = part("readout", lambda: tp.vocab_readout(cfg.d_model, cfg.vocab_size))
 
     # ------------------------------------------------------------------ parts
     def rotary(self, pos: torch.Tensor) -> Rotary:

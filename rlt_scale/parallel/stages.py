@@ -1,21 +1,22 @@
-"""Pipeline stages: which layers live where, and cutting a model down to one stage.
+"""Pipeline stages: which layers live where, and building one stage's part of the model.
 
 Stages hold contiguous, equal layer ranges, and encoder layer l sits with
 decoder layer l, so tied weights stay on one stage. Stage 0 also holds the
 embedding; the last stage the merge, the output norm and the readout (the
 decoder ring closes there). A memory group is needed on every stage whose
 decoder layers read it; its first such stage owns it, the others hold
-replicas whose gradients are all-reduced with the owner's.
+replicas that receive the same, complete gradient (see the ring pipeline).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
-from torch import nn
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model import build_model
 from rlt_scale.model.rlt import RLT
 
 
@@ -55,32 +56,37 @@ def stages_reading_group(cfg: ModelConfig, group: int, n_stages: int) -> list[in
     return [s for s in range(n_stages) if group in plan_stage(cfg, s, n_stages).memory_groups]
 
 
-def cut_to_stage(model: RLT, plan: StagePlan) -> RLT:
-    """Drop every module this stage does not run (in place) and mark memory replicas.
+def stage_parts(plan: StagePlan) -> Callable[[str], bool]:
+    """Which model parts (names as in :class:`~rlt_scale.model.rlt.RLT`) this stage builds."""
 
-    The full model is built first on every stage so that each stage's weights
-    are exactly the single-process model's (same initialisation stream).
+    def holds(name: str) -> bool:
+        kind, _, index = name.partition(".")
+        if kind == "encoder":
+            return int(index) in plan.encoder_layers
+        if kind == "decoder":
+            return int(index) in plan.decoder_layers
+        if kind == "memory":
+            return int(index) in plan.memory_groups
+        if kind == "embed":
+            return plan.first
+        return plan.last  # merge, norm_out, readout
+
+    return holds
+
+
+def build_stage(cfg: ModelConfig, tp_group, plan: StagePlan) -> RLT:
+    """This stage's part of the model, with the same weights as in the single-process model.
+
+    Only the stage's parts are built (each part seeds its own initialisation),
+    so no rank ever holds the whole model. Memory groups read on several
+    stages are marked as replicas on all but the first.
     """
-    cfg = model.cfg
-    for i in range(cfg.n_enc_layers):
-        if i not in plan.encoder_layers:
-            model.encoder[i] = nn.Identity()
-    for i in range(cfg.n_dec_layers):
-        if i not in plan.decoder_layers:
-            model.decoder[i] = nn.Identity()
-    for g in range(cfg.memory_groups):
-        if g not in plan.memory_groups:
-            model.memory[g] = nn.Identity()
-        elif stages_reading_group(cfg, g, plan.n_stages)[0] != plan.stage:
+    model = build_model(cfg, tp_group, stage_parts(plan))
+    for g in plan.memory_groups:
+        if stages_reading_group(cfg, g, plan.n_stages)[0] != plan.stage:
             for p in model.memory[g].parameters():
                 p.pipeline_replica = True  # counted once (on the owner) in the gradient norm
                 p.ds_pipe_replicated = True  # the same rule for DeepSpeed ZeRO's norm
-    if not plan.first:
-        model.embed = None
-    if not plan.last:
-        model.merge = None
-        model.norm_out = None
-        model.readout = None
     return model
 
 

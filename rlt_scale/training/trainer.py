@@ -26,7 +26,7 @@ from rlt_scale.model.recurrence import Schedule, run_sequence
 from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.parallel.pipeline import RingPipeline
-from rlt_scale.parallel.stages import cut_to_stage, plan_stage
+from rlt_scale.parallel.stages import build_stage, plan_stage
 from rlt_scale.parallel.zero import ZeroDataParallel
 from rlt_scale.training.checkpoint import CheckpointManager, RNGState
 from rlt_scale.training.metrics import MetricsLogger
@@ -84,12 +84,14 @@ class Trainer:
                 "model.vocab_size",
                 f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {cfg.model.vocab_size}",
             )
-        self.model: RLT = build_model(cfg.model, self.ctx.tp_group).to(self.device)
         self.schedule = Schedule.from_trainer(t)
         self.ring: Optional[RingPipeline] = None
         if self.ctx.pp > 1:
             plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
-            self.ring = RingPipeline(cut_to_stage(self.model, plan), plan, self.ctx, self.schedule)
+            self.model: RLT = build_stage(cfg.model, self.ctx.tp_group, plan).to(self.device)
+            self.ring = RingPipeline(self.model, plan, self.ctx, self.schedule)
+        else:
+            self.model = build_model(cfg.model, self.ctx.tp_group).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.zero: Optional[ZeroDataParallel] = None
         if cfg.parallel.zero_stage:
