@@ -174,7 +174,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         if self.ring is not None:
             # The ring runs many partial backward passes; ZeRO reduces their sum once.
-            with self.zero.accumulate() if self.zero is not None else contextlib.nullcontext():
+            # Autocast spans the ring's backward too: chunk recomputation happens there.
+            with self.zero.accumulate() if self.zero is not None else contextlib.nullcontext(), self._autocast():
                 loss_sum += self.ring.forward_backward(batches, n_targets)
         else:
             for i, batch in enumerate(batches):
