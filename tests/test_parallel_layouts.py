@@ -36,7 +36,7 @@ def _run(tmp_path, data, name, nproc, micro, extra):
     torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
     merged = {"losses": stages[0]["losses"], "norms": stages[0]["norms"], "eval_loss": stages[0]["eval_loss"],
-              "grads": {}, "params": {}}
+              "tp_replicas_agree": all(stage["tp_replicas_agree"] for stage in stages), "grads": {}, "params": {}}
     for stage in stages:
         assert stage["losses"] == merged["losses"] and stage["norms"] == merged["norms"]
         assert stage["eval_loss"] == merged["eval_loss"]
@@ -109,6 +109,7 @@ def test_layout_matches_single_process(tmp_path, data, reference, layout, schedu
         assert _rel(got["grads"][name], ref["grads"][name]) <= tol, name
         assert _rel(got["params"][name], ref["params"][name]) <= tol, name
     assert ref["norms"][0] > 0.5  # clipping was active, so the global norm had to be right
+    assert got["tp_replicas_agree"]  # merge, norms, s_* stayed identical on every TP rank
 
 
 def test_ring_runs_under_bf16_autocast(tmp_path, data):

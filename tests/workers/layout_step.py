@@ -31,12 +31,28 @@ def main() -> None:
             first_grads = full_state(trainer.model, ctx.tp_group, grads=True)
         norms.append(trainer.optimizer_step())
     params = full_state(trainer.model, ctx.tp_group)
+    tp_consistent = _replicated_params_agree(trainer.model, ctx.tp_group)
     eval_loss = trainer.evaluate()
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one file per pipeline stage
-        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params, "eval_loss": eval_loss},
+        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params, "eval_loss": eval_loss,
+                    "tp_replicas_agree": tp_consistent},
                    f"{out_file}.stage{ctx.pp_rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _replicated_params_agree(model, tp_group) -> bool:
+    """Whether every parameter that TP does not split (norms, merge, s_*) is bit-identical on all TP ranks."""
+    from rlt_scale.parallel.shards import is_tp_sharded
+
+    agree = True
+    size = torch.distributed.get_world_size(tp_group)
+    for _, p in model.named_parameters():
+        if not is_tp_sharded(p):
+            copies = [torch.empty_like(p.data) for _ in range(size)]
+            torch.distributed.all_gather(copies, p.data.contiguous(), group=tp_group)
+            agree &= all(torch.equal(c, copies[0]) for c in copies)
+    return agree
 
 
 if __name__ == "__main__":
