@@ -245,9 +245,15 @@ class LoggingConfig:
     """wandb project name."""
     run_name: Optional[str] = None
     """wandb run name; None lets wandb pick one."""
+    peak_tflops: Optional[float] = None
+    """Dense peak TFLOP/s of ONE device in the training precision (e.g. 989 for an H100 in bf16).
+    When set, every logged step carries MFU and HFU from the analytic cost model
+    (docs/PERFORMANCE.md); None logs neither. ``rlt-profile`` can measure a peak."""
 
     def validate(self) -> None:
         _choice("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError("logging.peak_tflops", f"expected a positive TFLOP/s figure or null, got {self.peak_tflops}")
 
 
 @dataclass

@@ -236,12 +236,28 @@ class Trainer:
         sums = dp_sum(sums, self.ctx)
         return float(sums[0] / sums[1].clamp(min=1))
 
+    def flops_per_token(self) -> Optional[tuple[float, float]]:
+        """(model, hardware) FLOPs per trained token of the whole model, when MFU is asked for."""
+        if self.cfg.logging.peak_tflops is None:
+            return None
+        from rlt_scale.profiling.flops import analytic_flops
+        from rlt_scale.profiling.workload import Workload
+
+        t = self.cfg.trainer
+        work = Workload(batch=t.micro_batch_size, seq_len=self.loader.seq_len, chunk_size=t.chunk_size,
+                        checkpoint=self.schedule.checkpoint)
+        report = analytic_flops(self.cfg.model, work)
+        return report.model_flops / work.tokens, report.hardware_flops / work.tokens
+
     def fit(self) -> TrainSummary:
         cfg, t = self.cfg, self.cfg.trainer
         self.announce()
         self.maybe_resume()
         logger = MetricsLogger(cfg.logging, self.run_dir, config_to_dict(cfg), self.ctx.is_logging_rank, self.run_id)
         self.run_id = logger.run_id
+        if self.step:  # resumed: the metrics stream records where it picked up
+            logger.log({"step": self.step, "note": "resumed",
+                        "lost_steps": max(self._last_logged_step() - self.step, 0)})
         if self.ctx.is_logging_rank:
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
         if self.schedule.tbptt_chunks:
@@ -249,6 +265,8 @@ class Trainer:
 
         batches: Iterator[dict] = iter(self.loader)
         tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.loader.seq_len * self.ctx.dp
+        flops = self.flops_per_token()
+        peak = (cfg.logging.peak_tflops or 0) * 1e12 * self.ctx.world_size  # every device of the job
         losses, eval_loss, ckpt = [], None, None
         preemption = PreemptionFlag().install()
         window_start, window_tokens, run_tokens, run_time = time.perf_counter(), 0, 0, 0.0
@@ -267,6 +285,9 @@ class Trainer:
                     "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": norm,
                     "tokens_per_s": window_tokens / elapsed, "consumed_samples": self.loader.state_dict()["consumed_samples"],
                 }
+                if flops is not None:
+                    record["mfu"] = record["tokens_per_s"] * flops[0] / peak
+                    record["hfu"] = record["tokens_per_s"] * flops[1] / peak
                 if self.ring is not None:  # rank 0 is stage 0; its bubble is representative
                     record["ring_idle"] = self.ring.stats.measured_idle_fraction
                     record["ring_idle_scheduled"] = self.ring.stats.idle_fraction
