@@ -18,3 +18,11 @@ class DataError(RuntimeError):
 
     The message names the shard file and, where known, the sample key.
     """
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or of another format.
+
+    The message names the file at fault and, when the newest checkpoint is
+    broken, the older complete one that could be used instead.
+    """

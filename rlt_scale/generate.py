@@ -1,7 +1,8 @@
 """``rlt-generate RUN_DIR --prompt TEXT``: sample from a trained RLT.
 
-Loads the newest checkpoint of a run (or ``--checkpoint``), prefills the
-prompt and samples; prints the text and the behaviour log-probabilities of
+Loads the newest checkpoint of a run (or ``--checkpoint``), saved by any
+TP x PP x DP layout, or a directory written by ``rlt-export`` (model.safetensors
++ config.yaml); prefills the prompt and samples; prints the text and the behaviour log-probabilities of
 the sampled tokens (``--json`` for machine-readable output).
 """
 
@@ -13,37 +14,23 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
-from rlt_scale.config import Config, ParallelConfig
 from rlt_scale.data.tokenizer import load_tokenizer
-from rlt_scale.distributed import init_distributed
+from rlt_scale.export import WEIGHTS_FILE, load_checkpoint_model, load_export
 from rlt_scale.generation import Generator, SamplingConfig
-from rlt_scale.model import build_model
-from rlt_scale.training.checkpoint import CheckpointManager
 
 
-def load_for_inference(run_dir: str, checkpoint: str | None = None, device: str = "cpu"):
-    """(model, config) from a run directory's newest checkpoint."""
-    manager = CheckpointManager(run_dir)
-    path = Path(checkpoint) if checkpoint else manager.latest()
-    if path is None:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir}/checkpoints")
-    meta = manager.read_meta(path)
-    if meta["world_size"] != 1:
-        raise ValueError(f"{path} holds {meta['world_size']} rank shards; generation loads single-rank checkpoints")
-    payload = manager.read_payload(path, rank=0)
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(meta["config"])))
-    ctx = init_distributed(ParallelConfig(), device)
-    model = build_model(cfg.model, ctx.tp_group).to(ctx.device)
-    model.load_state_dict(payload["model"])
-    model.eval()
+def load_for_inference(path: str, checkpoint: str | None = None, device: str = "cpu"):
+    """(model, config) from an ``rlt-export`` directory, or a run directory's newest (or given) checkpoint."""
+    if (Path(path) / WEIGHTS_FILE).exists():
+        return load_export(path, device)
+    model, cfg, _ = load_checkpoint_model(path, checkpoint, device)
     return model, cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rlt-generate", description=__doc__.split("\n")[0])
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", help="a run directory, or an rlt-export output directory")
     p.add_argument("--prompt", required=True)
     p.add_argument("--checkpoint", default=None, help="a checkpoint directory instead of the run's newest")
     p.add_argument("--tokenizer", default=None, help="default: the one recorded in the training data's index")

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from rlt_scale.config import load_config
-from rlt_scale.errors import ConfigError, DataError
+from rlt_scale.errors import CheckpointError, ConfigError, DataError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         from rlt_scale.training.trainer import Trainer  # heavy imports after the config is known good
 
         summary = Trainer(cfg).fit()
-    except (ConfigError, DataError, FileNotFoundError) as err:
+    except (ConfigError, DataError, FileNotFoundError, CheckpointError) as err:
         print(f"rlt-train: error: {err}", file=sys.stderr)
         return 2
     print(summary, flush=True)

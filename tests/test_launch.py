@@ -56,8 +56,10 @@ def test_launcher_runs_data_parallel_training(data, tmp_path, script):
     assert _steps(run) == [1, 2, 3]
     meta = json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
     assert meta["world_size"] == 2
-    assert sorted(p.name for p in (run / "checkpoints" / "step_00000003").glob("rank_*.pt")) == [
-        "rank_00000.pt", "rank_00001.pt"]
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0}
+    # each rank wrote its own shard file (torch.distributed.checkpoint: __<rank>_<n>.distcp)
+    assert sorted(p.name for p in (run / "checkpoints" / "step_00000003" / "state").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
 
 
 def test_sigterm_checkpoints_then_resume_continues(data, tmp_path):

@@ -28,10 +28,11 @@ from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.parallel.pipeline import RingPipeline
 from rlt_scale.parallel.stages import build_stage, plan_stage
 from rlt_scale.parallel.zero import ZeroDataParallel
-from rlt_scale.training.checkpoint import CheckpointManager, RNGState
+from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
 from rlt_scale.training.preemption import PreemptionFlag
+from rlt_scale.training.sharded_state import ModelOptimizerState, RNGState
 
 
 @dataclass
@@ -101,18 +102,19 @@ class Trainer:
                 grad_clip=cfg.optimizer.grad_clip,
             )
         self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
-        self.rng = RNGState()
-        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep,
-                                             rank=self.ctx.rank, world_size=self.ctx.world_size)
+        self.rng = RNGState(self.ctx)
+        self.model_state = ModelOptimizerState(self.model, self.optimizer, self.ctx, self.zero)
+        layout = {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp, "zero_stage": cfg.parallel.zero_stage}
+        self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.ctx.rank,
+                                             world_size=self.ctx.world_size, layout=layout)
         self.step = 0
         self.run_id: Optional[str] = None
 
     # -------------------------------------------------------------- plumbing
     def stateful(self) -> dict:
-        return {
-            "model": self.model, "optimizer": self.zero or self.optimizer, "lr_schedule": self.schedule_lr,
-            "data": self.loader, "rng": self.rng,
-        }
+        """What a checkpoint holds: model + optimizer and RNG sharded, schedule and data position global."""
+        return {"model_and_optimizer": self.model_state, "rng": self.rng,
+                "lr_schedule": self.schedule_lr, "data": self.loader}
 
     def _autocast(self):
         if self.cfg.trainer.precision == "bf16":
@@ -139,13 +141,20 @@ class Trainer:
         latest = self.checkpoints.latest() if self.cfg.checkpoint.resume else None
         if latest is None:
             return
-        meta = self.checkpoints.load(latest, self.stateful())
+        meta = self.checkpoints.load(latest, self.stateful(), run_model_config=config_to_dict(self.cfg)["model"])
         self.step = int(meta["step"])
         self.run_id = meta.get("wandb_run_id")
+        if meta["resharded"]:  # per-rank RNG rows belong to the old layout's ranks
+            self.rng.reseed(self.cfg.trainer.seed, self.step)
         if self.ctx.is_logging_rank:
             lost = self._last_logged_step() - self.step
             note = f"; {lost} step(s) logged after it were lost and are redone" if lost > 0 else ""
             print(f"resumed from {latest} at step {self.step}{note}", flush=True)
+            if meta["resharded"]:
+                old = meta["layout"]
+                print(f"resharded from tp={old['tp']} pp={old['pp']} dp={old['dp']} zero={old['zero_stage']} to "
+                      f"tp={self.ctx.tp} pp={self.ctx.pp} dp={self.ctx.dp} zero={self.cfg.parallel.zero_stage}; "
+                      f"RNG reseeded from (trainer.seed, step, rank)", flush=True)
 
     def _last_logged_step(self) -> int:
         path = self.run_dir / "metrics.jsonl"
@@ -155,7 +164,8 @@ class Trainer:
         return max(steps, default=0)
 
     def save(self) -> Path:
-        extra = {"config": config_to_yaml(self.cfg), "wandb_run_id": self.run_id}
+        extra = {"config": config_to_dict(self.cfg), "wandb_run_id": self.run_id,
+                 "consumed_samples": self.loader.state_dict()["consumed_samples"]}
         return self.checkpoints.save(self.step, self.stateful(), extra)
 
     # ------------------------------------------------------------ the work
