@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
-# Launch with the deepspeed launcher, on one machine or the hosts of a hostfile.
+# Launch with the deepspeed launcher, on this machine or on the hosts of a hostfile.
 #
 #   launch/deepspeed.sh CONFIG [key=value ...]
+#   NPROC_PER_NODE=2 launch/deepspeed.sh configs/tiny.yaml             # this machine, 2 processes
+#   HOSTFILE=hosts.txt launch/deepspeed.sh configs/rlt-100m.yaml       # every host of hosts.txt
 #
-# Environment: HOSTFILE (lines "host slots=N"; unset = this machine only),
-# NPROC_PER_NODE [1] (this machine only), MASTER_PORT [29500].
-# On CPU-only machines the launcher starts NPROC_PER_NODE CPU processes.
+# Environment (defaults in brackets):
+#   HOSTFILE [unset]       one line per host, "hostname slots=N" (N processes there; on GPU
+#                          hosts N GPUs). Unset: this machine only. With a hostfile, DeepSpeed
+#                          starts the processes over passwordless ssh with pdsh (LAUNCHER), so
+#                          every host needs pdsh, ssh access from this one, and the repository
+#                          and .venv at the same path. A hostfile naming only localhost runs
+#                          locally (no pdsh); DS_ARGS=--no_ssh_check skips the ssh probe then.
+#   NPROC_PER_NODE [1]     processes on this machine when there is no HOSTFILE
+#   MASTER_ADDR [unset]    address of the first host (DeepSpeed asks it for `hostname -I` otherwise)
+#   MASTER_PORT [29500]
+#   LAUNCHER [pdsh]        DeepSpeed's multi-node launcher: pdsh, openmpi, mpich, impi, mvapich, slurm
+#   DS_ARGS [unset]        further launcher options, e.g. "--include=node1:0,1@node2 --no_ssh_check"
+#   DEEPSPEED [.venv/bin/deepspeed]
+# On CPU-only machines the launcher starts NPROC_PER_NODE (or slots=N) CPU processes.
+# The deepspeed launcher does not restart failed workers: for restarts and
+# elastic node counts use launch/torchrun.sh or launch/slurm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEEPSPEED=${DEEPSPEED:-.venv/bin/deepspeed}
 args=(--master_port "${MASTER_PORT:-29500}")
 if [[ -n "${HOSTFILE:-}" ]]; then
-  args+=(--hostfile "$HOSTFILE")
+  [[ -f "$HOSTFILE" ]] || { echo "launch/deepspeed.sh: HOSTFILE=$HOSTFILE does not exist" >&2; exit 2; }
+  args+=(--hostfile "$HOSTFILE" --launcher "${LAUNCHER:-pdsh}")
+  [[ -n "${MASTER_ADDR:-}" ]] && args+=(--master_addr "$MASTER_ADDR")
 else
   args+=(--num_gpus "${NPROC_PER_NODE:-1}")
 fi
+# DS_ARGS is split on spaces on purpose: it carries several options.
+# shellcheck disable=SC2206
+[[ -n "${DS_ARGS:-}" ]] && args+=($DS_ARGS)
 exec "$DEEPSPEED" "${args[@]}" --module rlt_scale.train "$@"

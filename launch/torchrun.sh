@@ -9,12 +9,27 @@
 #   RDZV_ENDPOINT [127.0.0.1:29500]  host:port of the rendezvous (the first node)
 #   RDZV_ID [rlt]            job id shared by all nodes of one job
 #   MAX_RESTARTS [3]         worker-group restarts before giving up
+#   RDZV_CONF [unset]        extra rendezvous options, e.g. is_host=1,last_call_timeout=5
+#                            (join_timeout, last_call_timeout, close_timeout,
+#                            keep_alive_interval, keep_alive_max_attempt, is_host)
 #   PYTHON [.venv/bin/python]
 # A restarted worker group resumes from the newest complete checkpoint in
 # checkpoint.dir by itself (rlt-train resumes by default).
+#
+# Several machines: run the same command on each, with NNODES=MIN:MAX and
+# RDZV_ENDPOINT naming the first machine, e.g.
+#   NNODES=1:2 NPROC_PER_NODE=8 RDZV_ENDPOINT=node0:29500 launch/torchrun.sh configs/rlt-100m.yaml
+# A failed worker restarts the whole group (MAX_RESTARTS times); a lost
+# machine makes the others re-form at the smaller size (down to MIN) and
+# resume. The c10d store lives in the agent on RDZV_ENDPOINT's host: losing
+# that machine ends the job. Under Slurm use launch/slurm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
+# torch >= 2.5 shares the rendezvous TCP store with the workers and caches its
+# address in the first agent; an agent that joins later (scale-up, or a
+# restarted node) then waits forever for that address (pytorch#135712).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 exec "$PYTHON" -m torch.distributed.run \
   --nnodes="${NNODES:-1}" \
   --nproc-per-node="${NPROC_PER_NODE:-1}" \
@@ -22,4 +37,5 @@ exec "$PYTHON" -m torch.distributed.run \
   --rdzv-endpoint="${RDZV_ENDPOINT:-127.0.0.1:29500}" \
   --rdzv-id="${RDZV_ID:-rlt}" \
   --max-restarts="${MAX_RESTARTS:-3}" \
+  ${RDZV_CONF:+--rdzv-conf="$RDZV_CONF"} \
   -m rlt_scale.train "$@"

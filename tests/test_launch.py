@@ -82,3 +82,18 @@ def test_sigterm_checkpoints_then_resume_continues(data, tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / latest} at step {stopped_at}" in resumed.stdout
     assert _steps(run)[-2:] == [stopped_at + 1, stopped_at + 2]
+
+
+def test_deepspeed_hostfile_starts_the_slots_it_names(data, tmp_path):
+    # A hostfile naming only this machine runs without pdsh; the ssh probe is skipped.
+    # Its slots=2, not NPROC_PER_NODE=1, sets the process count.
+    hostfile = tmp_path / "hosts.txt"
+    hostfile.write_text("localhost slots=2\n")
+    run = tmp_path / "run"
+    env = _env(HOSTFILE=str(hostfile), NPROC_PER_NODE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               DS_ARGS="--no_ssh_check", DEEPSPEED=str(Path(sys.executable).parent / "deepspeed"))
+    proc = subprocess.run(["bash", "launch/deepspeed.sh", "configs/tiny.yaml", *_overrides(data, run, 2)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert _steps(run) == [1, 2]
+    assert json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())["world_size"] == 2
