@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlt_scale.data import tasks
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.data.tasks import transition_table
 from rlt_scale.experiments import state_tracking as st
@@ -20,6 +21,7 @@ from rlt_scale.experiments.evaluate import (
     evaluate_path,
     predictions,
 )
+from rlt_scale.experiments.supervision import target_fn
 
 V = 260
 
@@ -92,6 +94,30 @@ def test_max_samples_limits_the_count(sets):
     assert (acc.total, acc.accuracy) == (100, 1.0)
 
 
+# -------------------------------------------------------------- supervision
+@pytest.mark.parametrize("task", ["parity", "five_state", "addition"])
+def test_running_targets_end_in_the_answer(task):
+    taskset = tasks.generate(task, 64, 7, seed=5)
+    tokens = torch.as_tensor(taskset.tokens)
+    targets, valid = target_fn(task, "running")(tokens)
+    assert targets.shape == valid.shape == (64, taskset.seq_len)
+    assert not valid[:, 0].any()  # BOS: no state yet
+    assert valid[:, -1].all() and torch.equal(targets[:, -1], tokens[:, -1])  # '=' keeps the answer
+    last_op = valid[0, :-1].nonzero().max()  # after the last operation the state is the answer
+    assert torch.equal(targets[:, last_op], tokens[:, -1])
+    if task == "addition":
+        assert valid[0, 1:-1].tolist() == [False, True] * 7  # a carry is known after both bits
+    else:
+        assert valid[:, 1:].all()
+    assert target_fn(task, "final") is None
+
+
+def test_running_parity_targets_are_prefix_parities():
+    tokens = torch.tensor([[256, *map(ord, "0110100"), ord("="), ord("1")]])
+    targets, _ = target_fn("parity", "running")(tokens)
+    assert "".join(map(chr, targets[0, 1:-1].tolist())) == "0100111"
+
+
 # ------------------------------------------------------- baselines, stopping
 @pytest.mark.parametrize("path", ["configs/experiments/transformer.yaml", "configs/experiments/gru.yaml"])
 def test_baselines_are_parameter_matched_and_causal(path):
@@ -130,34 +156,51 @@ def test_markdown_table_reports_mean_min_max():
              "acc": {"16": a, "32": a}} for s, a in [(0, 0.5), (1, 1.0), (2, 0.75)]]
     table = st.markdown_table(recs)
     assert "75.0 [50.0, 100.0]" in table and "~100 / ~100 / ~82 / 60.8" in table
+    assert "| answer |" in table  # records without a supervision field are the data's own (final) targets
 
 
 # ------------------------------------------------- the pipeline, end to end
-# RLT-1 at the framework's default init (std 0.02) sits on the parity plateau for
-# thousands of steps even at 6 bits (docs/RESULTS.md); a larger init escapes it fast.
-# 4-bit parity with init std 0.3 reaches >= 90% validation accuracy within 50-150 steps
-# for seeds 0-3 (measured); the assertion leaves a wide margin.
-TINY_RLT = ["model.d_model=32", "model.n_heads=2", "model.window=4", "model.init_std=0.3",
+# The table's recipe, shrunk: RLT-1 with feedback scale 1 and the running-state loss
+# (docs/RESULTS.md). At the framework's defaults (alpha 0.1, answer-only loss) RLT-1
+# sits on the parity plateau for thousands of steps. This tiny model reaches >= 98%
+# validation accuracy on 8-bit parity within 150-250 steps for seeds 0-2 (measured:
+# 95.7-99.8% test accuracy at 8 bits); the test allows 400 steps and asserts >= 80%.
+TINY_RLT = ["model.d_model=32", "model.n_heads=2", "model.window=4", "model.feedback_scale=1.0",
             "trainer.micro_batch_size=32", "trainer.eval_interval=50", "optimizer.lr=3e-3",
             "optimizer.min_lr=3e-3", "optimizer.warmup_steps=20"]
 
 
-def tiny_protocol(root) -> dict:
+def tiny_protocol(root, **task) -> dict:
     proto = st.load_protocol()
-    proto.update(data_root=str(root / "data"), val_samples=256, eval_samples=512)
+    proto.update(data_root=str(root / "data"), val_samples=256, eval_samples=512, supervision="running")
     proto["early_stopping"] = {"target": 0.98, "patience": 0, "min_delta": 0.0}
-    proto["tasks"] = {"parity": {"train_length": 4, "train_samples": 4000, "max_steps": 400, "eval_lengths": [4, 8]}}
+    proto["tasks"] = {"parity": {"train_length": 8, "train_samples": 4000, "max_steps": 400, "eval_lengths": [8, 16],
+                                 **task}}
     return proto
 
 
 def test_tiny_rlt_learns_parity_through_the_pipeline(tmp_path):
-    """One tiny seed of RLT-1 on 4-bit parity: clearly above chance (50%) at the training length."""
+    """One tiny seed of RLT-1 on 8-bit parity: clearly above chance (50%) at the training length."""
     proto = tiny_protocol(tmp_path)
     st.prepare_data(proto, "parity")
     record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", extra=TINY_RLT)
-    assert record["acc"]["4"] >= 0.8, record
+    assert record["acc"]["8"] >= 0.8, record
     assert record["steps"] <= 400 and record["best_val_acc"] >= 0.8
-    assert 0.0 <= record["acc"]["8"] <= 1.0  # a longer test length runs through the same path
+    assert 0.0 <= record["acc"]["16"] <= 1.0  # a longer test length runs through the same path
     st.save_results(tmp_path / "out" / "results.json", [record])
-    assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["key"] == "parity-rlt1-s0"
+    assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["key"] == "parity-rlt1-running-s0"
     assert "RLT-1" in st.markdown_table([record])
+
+
+def test_curriculum_trains_short_programs_first(tmp_path):
+    """A GRU through a 2 -> 4 -> 8 curriculum: one stage per length, weights carried from stage to stage."""
+    proto = tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=60, curriculum_advance=0.9, max_steps=200)
+    st.prepare_data(proto, "parity")
+    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
+                        extra=["trainer.eval_interval=20"])
+    assert [length for length, _ in record["stage_steps"]] == [2, 4, 8]
+    assert all(0 < steps <= 60 for _, steps in record["stage_steps"][:2])
+    assert record["steps"] == sum(steps for _, steps in record["stage_steps"])
+    assert (tmp_path / "out" / "runs" / "parity-gru-s0" / "stage-L2" / "val.jsonl").exists()
+    # The GRU learns 8-bit parity from the answer alone here: 100% for seeds 0-2 (measured).
+    assert record["acc"]["8"] >= 0.8, record

@@ -29,12 +29,12 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rlt_scale.config import Config, ModelConfig, ParallelConfig, config_to_yaml
 from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.errors import ConfigError
+from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
 from rlt_scale.model.blocks import EncoderBlock
 from rlt_scale.model.layers import RMSNorm, Rotary
 from rlt_scale.model.state import KV
@@ -183,8 +183,10 @@ class BaselineTrainer:
     saved to ``checkpoint.dir/baseline.pt`` and the metrics to ``metrics.jsonl``.
     """
 
-    def __init__(self, bcfg: BaselineConfig, cfg: Config, eval_hook: Optional[EvalHook] = None):
+    def __init__(self, bcfg: BaselineConfig, cfg: Config, eval_hook: Optional[EvalHook] = None,
+                 targets: Optional[TargetFn] = None):
         self.bcfg, self.cfg, self.eval_hook = bcfg.validate(), cfg, eval_hook
+        self.targets = targets  # None: the data's own next-token targets (supervision.py)
         t = cfg.trainer
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -206,10 +208,12 @@ class BaselineTrainer:
         tokens = batch["tokens"].to(self.device)
         mask = batch["loss_mask"].to(self.device).bool()
         doc = batch["doc_ids"].to(self.device)
-        valid = mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
+        if self.targets is None:
+            targets, valid = tokens[:, 1:], mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
+        else:
+            targets, valid = self.targets(tokens)
         logits = self.model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none")
-        return (loss * valid.flatten()).sum(), int(valid.sum())
+        return masked_cross_entropy(logits, targets, valid), int(valid.sum())
 
     def fit(self) -> BaselineSummary:
         cfg, t = self.cfg, self.cfg.trainer
@@ -229,7 +233,10 @@ class BaselineTrainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             step_batches = [next(batches) for _ in range(t.grad_accum_steps)]
-            n_targets = sum(int(b["loss_mask"][:, 1:].sum()) for b in step_batches)
+            if self.targets is None:
+                n_targets = sum(int(b["loss_mask"][:, 1:].sum()) for b in step_batches)
+            else:
+                n_targets = sum(int(self.targets(b["tokens"])[1].sum()) for b in step_batches)
             self.optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for batch in step_batches:

@@ -11,7 +11,9 @@ then restored for the test evaluation.
 metrics) whose periodic evaluation on ``data.eval_path`` also measures
 final-state accuracy and, when the stopper says so, ends ``fit()`` at the
 current step (it lowers ``trainer.max_steps`` to the current step, so the
-loop exits and saves its final checkpoint as usual).
+loop exits and saves its final checkpoint as usual). With a ``targets`` function
+(:mod:`rlt_scale.experiments.supervision`) it trains on those targets instead of
+the data's next-token targets; evaluation is unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from rlt_scale.config import Config
 from rlt_scale.experiments.evaluate import Accuracy, batches_of, predictions
+from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
 from rlt_scale.model.recurrence import run_sequence
 from rlt_scale.training.trainer import Trainer
 
@@ -78,10 +81,31 @@ class EarlyStoppingTrainer(Trainer):
     """
 
     def __init__(self, cfg: Config, stopper: EarlyStopper, answer_tokens: Optional[Sequence[int]] = None,
-                 val_samples: int = 512, val_batch_size: int = 256):
+                 val_samples: int = 512, val_batch_size: int = 256, targets: Optional[TargetFn] = None):
         super().__init__(cfg)
         self.stopper, self.answer_tokens = stopper, answer_tokens
         self.val_samples, self.val_batch_size = val_samples, val_batch_size
+        self.targets = targets
+
+    def forward_backward(self, batches: list[dict]) -> float:
+        """The ordinary step, or with ``targets``: the mean loss over those targets (one process only)."""
+        if self.targets is None:
+            return super().forward_backward(batches)
+        if self.ctx.world_size != 1 or self.zero is not None:
+            raise NotImplementedError("task-specific targets are a single-process experiment feature")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        pairs = [self.targets(b["tokens"]) for b in batches]
+        n_targets = max(sum(int(valid.sum()) for _, valid in pairs), 1)
+        total = 0.0
+        for batch, (targets, valid) in zip(batches, pairs):
+            with self._autocast():
+                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule,
+                                   want_logits=True)
+            loss = masked_cross_entropy(out.logits, targets, valid) / n_targets
+            loss.backward()
+            total += loss.item()
+        return total
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:

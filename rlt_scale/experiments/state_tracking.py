@@ -3,7 +3,8 @@
 Usage::
 
     python -m rlt_scale.experiments.state_tracking                      # everything in the protocol, 3 seeds
-    python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1,rlt0,transformer,gru --seeds 0
+    python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1_a1,rlt0,transformer,gru --seeds 0
+    python -m rlt_scale.experiments.state_tracking --tasks parity --supervision final   # answer-only loss
     python -m rlt_scale.experiments.state_tracking --quick              # smoke run of the pipeline, minutes
     python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1 --seeds 0 \\
         --set model.window=16 --tag w16                                 # a variant (RLT configs only)
@@ -12,7 +13,8 @@ Usage::
 What one run is:
 
 1. data (prepared once, reused): the training set of the task at its training
-   length with a validation split (``OUT/eval``), and per evaluated length a test
+   length with a validation split (``OUT/eval``), the same at each length of the
+   task's ``curriculum`` if it has one, and per evaluated length a test
    set of ``eval_samples`` fresh programs from an independent seed (addition:
    plus one set per carry chain), all webdataset shards written by
    :func:`rlt_scale.data.prepare.prepare_task`;
@@ -21,7 +23,10 @@ What one run is:
    ``configs/experiments/`` plus the overrides printed in the log and stored in
    the results), the baselines through
    :class:`~rlt_scale.experiments.baselines.BaselineTrainer` on the same
-   stream; both stop early on validation accuracy and keep the best weights;
+   stream; both stop early on validation accuracy and keep the best weights.
+   The loss covers the answer only, or the running state too (``supervision``,
+   :mod:`~rlt_scale.experiments.supervision`); a curriculum trains shorter
+   programs first (:mod:`~rlt_scale.experiments.stages`);
 3. test: final-state accuracy (argmax over the answer tokens) at every length.
 
 Runs are appended to ``OUT/results.json`` as they finish and the markdown table
@@ -43,16 +48,17 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from rlt_scale.config import load_config
 from rlt_scale.data.prepare import prepare_task
-from rlt_scale.experiments.baselines import BaselineConfig, BaselineTrainer
-from rlt_scale.experiments.early_stopping import EarlyStopper, EarlyStoppingTrainer
+from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
+from rlt_scale.experiments.stages import Stage, is_baseline, train_stages
+from rlt_scale.experiments.supervision import SUPERVISIONS, target_fn
 
 DEFAULT_PROTOCOL = "configs/experiments/state_tracking.yaml"
 DEFAULT_OUT = "runs/experiments/state_tracking"
-RLT_MODELS = ("rlt1", "rlt0")
-MODEL_LABELS = {"rlt1": "RLT-1", "rlt0": "RLT-0 (no feedback)", "transformer": "Transformer", "gru": "GRU"}
+MODEL_LABELS = {"rlt1": "RLT-1", "rlt1_a1": "RLT-1, alpha=1", "rlt0": "RLT-0 (no feedback)",
+                "transformer": "Transformer", "gru": "GRU"}
+SUPERVISION_LABELS = {"final": "answer", "running": "every state"}
 TASK_LABELS = {"parity": "parity", "five_state": "five-state", "addition": "addition"}
 
 PUBLISHED: dict[str, dict[str, dict[int, str]]] = {
@@ -70,6 +76,8 @@ PUBLISHED: dict[str, dict[str, dict[int, str]]] = {
     },
 }
 """The published proof of concept (~79K parameters, 3 seeds, trained at 32 operations), accuracy in %."""
+PUBLISHED_AS = {"rlt1_a1": "rlt1"}
+"""Our variants shown next to a published row: RLT-1 with alpha=1 is the RLT of the published table."""
 
 
 # ------------------------------------------------------------------ protocol
@@ -86,25 +94,16 @@ def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False) -> dict:
     return proto
 
 
-def _flatten(tree: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.extend(_flatten(value, name + "."))
-        else:
-            out.append(f"{name}={json.dumps(value) if isinstance(value, (list, bool)) or value is None else value}")
-    return out
-
-
 # ---------------------------------------------------------------------- data
 def _ready(path: Path) -> bool:
     return (path / "index.json").exists()
 
 
-def train_dir(proto: dict, task: str) -> Path:
+def train_dir(proto: dict, task: str, length: Optional[int] = None) -> Path:
+    """Training set of ``task`` at ``length`` (default the training length; others are curriculum stages)."""
     spec = proto["tasks"][task]
-    return Path(proto["data_root"]) / task / f"train-L{spec['train_length']}-n{spec['train_samples']}-s{proto['train_seed']}"
+    length = length or spec["train_length"]
+    return Path(proto["data_root"]) / task / f"train-L{length}-n{spec['train_samples']}-s{proto['train_seed']}"
 
 
 def test_dir(proto: dict, task: str, length: int) -> Path:
@@ -118,13 +117,15 @@ def test_seed(length: int) -> int:
 
 
 def prepare_data(proto: dict, task: str, log=print) -> None:
-    """Prepare (once) the training/validation set and the test sets of ``task``."""
+    """Prepare (once) the training/validation sets (curriculum stages included) and the test sets of ``task``."""
     spec = proto["tasks"][task]
-    out = train_dir(proto, task)
-    if not (_ready(out) and _ready(out / "eval")):
+    for length in [*spec.get("curriculum", []), spec["train_length"]]:
+        out = train_dir(proto, task, length)
+        if _ready(out) and _ready(out / "eval"):
+            continue
         start = time.perf_counter()
         shutil.rmtree(out, ignore_errors=True)
-        prepare_task(task, out, spec["train_samples"], spec["train_length"], proto["train_seed"],
+        prepare_task(task, out, spec["train_samples"], length, proto["train_seed"],
                      eval_samples=proto["val_samples"], carry_buckets=[])
         log(f"prepared {out} ({spec['train_samples']} + {proto['val_samples']} val) in {time.perf_counter() - start:.1f}s")
     buckets = [c for c in spec.get("carry_buckets", [])] if task == "addition" else None
@@ -153,62 +154,54 @@ def rlt_forward_flops(model_cfg, seq_len: int) -> Optional[int]:
 
 
 # --------------------------------------------------------------------- runs
-def run_key(task: str, model: str, seed: int, tag: str = "") -> str:
-    return f"{task}-{model}{'-' + tag if tag else ''}-s{seed}"
+def run_key(task: str, model: str, seed: int, tag: str = "", supervision: str = "final") -> str:
+    """``task-model[-tag][-running]-sSEED``: final-answer supervision, the data's own, adds nothing."""
+    return f"{task}-{model}{'-' + tag if tag else ''}{'-' + supervision if supervision != 'final' else ''}-s{seed}"
 
 
 def run_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
-            extra: Optional[list[str]] = None, tag: str = "", log=print) -> dict:
-    """Train one (task, model, seed), restore its best validation weights and test it at every length."""
+            extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None) -> dict:
+    """Train one (task, model, seed), restore its best validation weights and test it at every length.
+
+    ``supervision`` ('final' or 'running', default the protocol's) picks the
+    training targets (:mod:`rlt_scale.experiments.supervision`); every model
+    of a table gets the same.
+    """
     spec = proto["tasks"][task]
-    data = train_dir(proto, task)
-    run_dir = out / "runs" / run_key(task, model, seed, tag)
+    supervision = supervision or proto.get("supervision", "final")
+    targets = target_fn(task, supervision)
+    key = run_key(task, model, seed, tag, supervision)
+    run_dir = out / "runs" / key
     shutil.rmtree(run_dir, ignore_errors=True)
     max_steps = steps or spec["max_steps"]
-    overrides = [f"data.path={data}", f"data.eval_path={data / 'eval'}", f"checkpoint.dir={run_dir}",
-                 f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.max_steps={max_steps}"] + list(extra or [])
+    common = [f"trainer.seed={seed}", f"data.seed={seed}"] + list(extra or [])
     es = proto["early_stopping"]
     stopper = EarlyStopper(target=es["target"], patience=es["patience"], min_delta=es.get("min_delta", 0.0))
+    later = tuple(spec.get("curriculum_overrides", []))  # for every stage after the first
+    stages = [Stage(length, train_dir(proto, task, length), spec.get("curriculum_steps", max_steps),
+                    EarlyStopper(target=spec.get("curriculum_advance", es["target"]), patience=0), later if i else ())
+              for i, length in enumerate(spec.get("curriculum", []))]
+    stages.append(Stage(spec["train_length"], train_dir(proto, task), max_steps, stopper, later if stages else ()))
     answers = ANSWER_TOKENS[task]
     config_path = proto["models"][model]
-    log(f"== {run_key(task, model, seed, tag)}: {config_path} {' '.join(overrides)}")
+    log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
+        f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
     seq_len = spec["train_length"] * (2 if task == "addition" else 1) + 2
     start = time.perf_counter()
-    if model in RLT_MODELS:
-        cfg = load_config(config_path, overrides)
-        trainer = EarlyStoppingTrainer(cfg, stopper, answers, val_samples=proto["val_samples"],
-                                       val_batch_size=proto["eval_batch_size"])
-        summary = trainer.fit()
-        net = trainer.model
+    rlt = not is_baseline(config_path)
+    trained = train_stages(config_path, stages, run_dir, common, answers, proto, targets, log)
+    net = trained.model
+    if rlt:
         counts = net.parameter_counts()
         params, applied = counts["unique"], counts["applied"]
-        flops = rlt_forward_flops(cfg.model, seq_len)
-        steps_run = summary.steps
+        flops = rlt_forward_flops(trained.cfg.model, seq_len)
     else:
-        raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
-        bcfg = BaselineConfig(**raw.pop("baseline"))
-        cfg = load_config(None, _flatten(raw) + overrides)
-        val_path = str(data / "eval")
-
-        def hook(step, net):
-            acc = evaluate_path(module_predictor(net), val_path, answers, proto["eval_batch_size"],
-                                max_samples=proto["val_samples"]).accuracy
-            stop = stopper.update(step, acc, net)
-            with open(run_dir / "val.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "val_acc": acc, "best_acc": stopper.best_acc, "stop": stop}) + "\n")
-            log(f"step {step:>6}  val acc {acc:.4f} (best {stopper.best_acc:.4f} at {stopper.best_step})"
-                f"{'  -> early stop' if stop else ''}")
-            return None, stop
-
-        trainer = BaselineTrainer(bcfg, cfg, hook)
-        summary = trainer.fit()
-        net = trainer.model
-        params = applied = summary.parameters
+        params = applied = sum(p.numel() for p in net.parameters())
         flops = int(net.forward_flops(seq_len))
-        steps_run = summary.steps
+    steps_run = trained.steps
     train_time = time.perf_counter() - start
     stopper.restore(net)
-    predict = rlt_predictor(net) if model in RLT_MODELS else module_predictor(net)
+    predict = rlt_predictor(net) if rlt else module_predictor(net)
 
     start = time.perf_counter()
     acc: dict[str, float] = {}
@@ -227,8 +220,10 @@ def run_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Opt
         log(line)
     eval_time = time.perf_counter() - start
     record = {
-        "key": run_key(task, model, seed, tag), "task": task, "model": model, "tag": tag, "seed": seed,
-        "config": config_path, "overrides": overrides, "parameters": params, "applied_parameters": applied,
+        "key": key, "task": task, "model": model, "tag": tag, "seed": seed,
+        "config": config_path, "overrides": common, "train_data": str(train_dir(proto, task)),
+        "supervision": supervision, "curriculum": spec.get("curriculum", []), "stage_steps": trained.stage_steps,
+        "parameters": params, "applied_parameters": applied,
         "train_length": spec["train_length"], "seq_len": seq_len, "forward_flops_per_example": flops,
         "max_steps": max_steps, "steps": steps_run, "stopped_early": stopper.stopped_early,
         "best_step": stopper.best_step, "best_val_acc": stopper.best_acc, "val_history": stopper.history,
@@ -262,32 +257,34 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(pct):.1f} [{min(pct):.1f}, {max(pct):.1f}]"
 
 
-def _groups(records: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
-    groups: dict[tuple[str, str, str], list[dict]] = {}
+def _groups(records: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
+    groups: dict[tuple[str, str, str, str], list[dict]] = {}
     task_order = list(TASK_LABELS)
     model_order = list(MODEL_LABELS)
     for r in sorted(records, key=lambda r: (task_order.index(r["task"]) if r["task"] in task_order else 99,
-                                            r.get("tag", ""),
+                                            r.get("supervision", "final"), r.get("tag", ""),
                                             model_order.index(r["model"]) if r["model"] in model_order else 99,
                                             r["seed"])):
-        groups.setdefault((r["task"], r["model"], r.get("tag", "")), []).append(r)
+        groups.setdefault((r["task"], r["model"], r.get("tag", ""), r.get("supervision", "final")), []).append(r)
     return groups
 
 
 def markdown_table(records: list[dict]) -> str:
     """Accuracy (%) at each test length: mean [min, max] over seeds, next to the published numbers."""
     lengths = sorted({int(L) for r in records for L in r["acc"]})
-    head = ["task", "model", "params", "seeds", "steps run", *[f"{L}" for L in lengths],
+    head = ["task", "model", "loss on", "params", "seeds", "steps run", *[f"{L}" for L in lengths],
             "published " + "/".join(str(L) for L in (16, 32, 64, 128)), "fwd MFLOPs/example", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (task, model, tag), rs in _groups(records).items():
+    for (task, model, tag, supervision), rs in _groups(records).items():
         label = MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else "")
-        pub = PUBLISHED.get(task, {}).get(model, {})
+        pub = PUBLISHED.get(task, {}).get(PUBLISHED_AS.get(model, model), {})
         comparable = not tag and rs[0]["train_length"] == 32 and not rs[0].get("quick")
         pub_cell = " / ".join(pub.get(L, "-") for L in (16, 32, 64, 128)) if pub and comparable else ""
         flops = rs[0].get("forward_flops_per_example")
         steps = sorted(r["steps"] for r in rs)
-        row = [TASK_LABELS.get(task, task) + f" (train {rs[0]['train_length']})", label, f"{rs[0]['parameters']:,}",
+        row = [TASK_LABELS.get(task, task) + f" (train {rs[0]['train_length']})", label,
+               SUPERVISION_LABELS[supervision],
+               f"{rs[0]['parameters']:,}",
                ",".join(str(r["seed"]) for r in rs), "/".join(str(s) for s in steps),
                *[_cell([r["acc"][str(L)] for r in rs if str(L) in r["acc"]]) for L in lengths],
                pub_cell, f"{flops / 1e6:.2f}" if flops else "?", f"{sum(r['train_time_s'] for r in rs):.0f}"]
@@ -296,10 +293,10 @@ def markdown_table(records: list[dict]) -> str:
     if carry:
         lines += ["", "Addition: accuracy (%) by carry chain (mean [min, max] over seeds).", ""]
         cols = sorted({(int(L), int(c)) for r in carry for L, d in r["carry_acc"].items() for c in d})
-        head = ["model", *[f"L={L} chain {c}" for L, c in cols]]
+        head = ["model", "loss on", *[f"L={L} chain {c}" for L, c in cols]]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for (task, model, tag), rs in _groups(carry).items():
-            row = [MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else ""),
+        for (task, model, tag, supervision), rs in _groups(carry).items():
+            row = [MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else ""), SUPERVISION_LABELS[supervision],
                    *[_cell([r["carry_acc"][str(L)][str(c)] for r in rs if str(c) in r["carry_acc"].get(str(L), {})])
                      for L, c in cols]]
             lines.append("| " + " | ".join(row) + " |")
@@ -315,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlt_scale.experiments.state_tracking",
                                 description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", default="parity,five_state,addition", help="comma-separated: parity,five_state,addition")
-    p.add_argument("--models", default="rlt1,rlt0,transformer,gru", help="comma-separated: rlt1,rlt0,transformer,gru")
+    p.add_argument("--models", help="comma-separated names of the protocol's models (default: its run_models)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (initialization and data order)")
     p.add_argument("--steps", type=int, help="max optimizer steps per run (default: the protocol's per task)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
@@ -325,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (e.g. model.window=16); use with --tag")
     p.add_argument("--tag", default="", help="name of a variant; part of the run key and the table row")
+    p.add_argument("--supervision", choices=SUPERVISIONS,
+                   help="training targets: the final answer only, or the running state after every operation too "
+                        "(default: the protocol's); evaluation is final-state accuracy either way")
     p.add_argument("--force", action="store_true", help="rerun runs already in results.json")
     p.add_argument("--table-only", action="store_true", help="only rewrite results.md from results.json")
     return p
@@ -340,7 +340,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(markdown_table(records))
         return 0
     proto = load_protocol(args.protocol, args.quick)
-    tasks, models, seeds = _csv(args.tasks), _csv(args.models), [int(s) for s in _csv(args.seeds)]
+    tasks, seeds = _csv(args.tasks), [int(s) for s in _csv(args.seeds)]
+    models = _csv(args.models) if args.models else proto.get("run_models", list(proto["models"]))
     for task in tasks:
         if task not in proto["tasks"]:
             print(f"unknown task {task!r}; the protocol has {list(proto['tasks'])}", file=sys.stderr)
@@ -356,12 +357,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         prepare_data(proto, task)
         for seed in seeds:
             for model in models:
-                key = run_key(task, model, seed, args.tag)
+                key = run_key(task, model, seed, args.tag, args.supervision or proto.get("supervision", "final"))
                 if any(r["key"] == key for r in records) and not args.force:
                     print(f"skip {key}: already in {results_path}", flush=True)
                     continue
                 record = run_one(proto, task, model, seed, out, args.steps, args.set, args.tag,
-                                 log=lambda *a: print(*a, flush=True))
+                                 log=lambda *a: print(*a, flush=True), supervision=args.supervision)
                 record["quick"] = args.quick
                 records = [r for r in load_results(results_path) if r["key"] != key] + [record]
                 save_results(results_path, records)

@@ -1,0 +1,122 @@
+"""Training one model of the table, in one stage or through a length curriculum.
+
+A *stage* trains on one prepared training set (one program length) until its
+early stopper says stop. Without a curriculum there is one stage, at the task's
+training length. With ``curriculum: [4, 8, 16]`` in the task's protocol, the
+model first trains on 4-operation programs until validation accuracy at 4
+reaches ``curriculum_advance`` (or ``curriculum_steps`` run out), then on 8,
+then 16, and finally at the training length under the protocol's own early
+stopping. Every stage is an ordinary trainer (the ``rlt-train`` ``Trainer`` for
+RLT variants, :class:`BaselineTrainer` for the baselines) on its own data and
+run directory; the weights and the AdamW moments carry over from one stage to
+the next, and the learning-rate schedule (warmup + cosine) restarts per stage.
+Stages after the first may take overrides of their own (``curriculum_overrides``):
+restarting at the full peak learning rate can throw a model that has just
+learned the task at a shorter length off again (docs/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from omegaconf import OmegaConf
+
+from rlt_scale.config import load_config
+from rlt_scale.experiments.baselines import BaselineConfig, BaselineTrainer
+from rlt_scale.experiments.early_stopping import EarlyStopper, EarlyStoppingTrainer
+from rlt_scale.experiments.evaluate import evaluate_path, module_predictor
+from rlt_scale.experiments.supervision import TargetFn
+
+
+
+def is_baseline(config_path: str) -> bool:
+    """A baseline's YAML has a ``baseline:`` section; anything else is an rlt-train config of an RLT variant."""
+    return "baseline" in (OmegaConf.load(config_path) or {})
+
+
+def flatten(tree: dict, prefix: str = "") -> list[str]:
+    """A nested config dict as dotted ``key=value`` overrides."""
+    out = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.extend(flatten(value, name + "."))
+        else:
+            out.append(f"{name}={json.dumps(value) if isinstance(value, (list, bool)) or value is None else value}")
+    return out
+
+
+@dataclass
+class Stage:
+    length: int
+    """Program length of this stage's training set."""
+    data: Path
+    """The prepared training set (its validation split is ``data/eval``)."""
+    max_steps: int
+    stopper: EarlyStopper
+    overrides: tuple[str, ...] = ()
+    """Config overrides of this stage only (e.g. a lower learning rate once the model has started learning)."""
+
+
+@dataclass
+class Trained:
+    model: object
+    """The trained network (its weights are the last stage's last step; the caller restores the best)."""
+    cfg: object
+    """The last stage's config (an rlt-train ``Config``)."""
+    steps: int
+    """Optimizer steps over all stages."""
+    stage_steps: list[tuple[int, int]]
+    """``(length, steps)`` per stage."""
+
+
+def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper, answers, proto: dict,
+                  val_path: Path, run_dir: Path, targets: Optional[TargetFn], log: Callable = print):
+    """The trainer of one stage: ``Trainer`` (RLT variants) or ``BaselineTrainer``, both stopping on ``stopper``."""
+    if not is_baseline(config_path):
+        cfg = load_config(config_path, overrides)
+        return EarlyStoppingTrainer(cfg, stopper, answers, val_samples=proto["val_samples"],
+                                    val_batch_size=proto["eval_batch_size"], targets=targets), cfg
+    raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+    bcfg = BaselineConfig(**raw.pop("baseline"))
+    cfg = load_config(None, flatten(raw) + overrides)
+
+    def hook(step, net):
+        acc = evaluate_path(module_predictor(net), str(val_path), answers, proto["eval_batch_size"],
+                            max_samples=proto["val_samples"]).accuracy
+        stop = stopper.update(step, acc, net)
+        with open(run_dir / "val.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "val_acc": acc, "best_acc": stopper.best_acc, "stop": stop}) + "\n")
+        log(f"step {step:>6}  val acc {acc:.4f} (best {stopper.best_acc:.4f} at {stopper.best_step})"
+            f"{'  -> early stop' if stop else ''}")
+        return None, stop
+
+    return BaselineTrainer(bcfg, cfg, hook, targets=targets), cfg
+
+
+def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: list[str], answers,
+                 proto: dict, targets: Optional[TargetFn], log: Callable = print) -> Trained:
+    """Train through ``stages`` in order (the last one is the training length); ``common`` are shared overrides."""
+    previous = None
+    stage_steps: list[tuple[int, int]] = []
+    for i, stage in enumerate(stages):
+        last = i == len(stages) - 1
+        stage_dir = run_dir if last else run_dir / f"stage-L{stage.length}"
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        overrides = [f"data.path={stage.data}", f"data.eval_path={stage.data / 'eval'}", f"checkpoint.dir={stage_dir}",
+                     f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
+        if len(stages) > 1:
+            log(f"-- stage {i + 1}/{len(stages)}: length {stage.length}, up to {stage.max_steps} steps "
+                f"{' '.join(stage.overrides)}")
+        trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto,
+                                     stage.data / "eval", stage_dir, targets, log)
+        if previous is not None:
+            trainer.model.load_state_dict(previous.model.state_dict())
+            trainer.optimizer.load_state_dict(previous.optimizer.state_dict())
+        summary = trainer.fit()
+        stage_steps.append((stage.length, summary.steps))
+        previous = trainer
+    return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps)

@@ -1,0 +1,88 @@
+"""Which positions of a task program are trained: the final answer only, or the running state too.
+
+A task sample is ``[BOS] op_1 ... op_L '=' answer`` (:mod:`rlt_scale.data.tasks`)
+and its loss mask covers only the answer: the model is told the final state and
+nothing else (``final`` supervision, the data's own targets). For parity this is
+the hard version of the task: the gradient toward the answer is an L-th order
+effect of the bits, and models sit at chance for a long time (docs/RESULTS.md).
+
+``running`` supervision also trains, at the input position of every operation,
+the state reached after that operation (parity: the parity of the prefix;
+five-state: the state; addition: the carry out of the bits read so far, at the
+``b_i`` positions only, since a carry is only known once both bits are read).
+The targets are a pure function of the program, computed here from the tokens,
+so the prepared shards stay as they are. The answer position keeps its
+ordinary target, and evaluation stays final-state accuracy at that position.
+It is a training choice, applied to every model alike when chosen.
+
+Input position ``i`` (0-based, of ``tokens[:, :-1]``) holds ``op_i`` for
+``1 <= i <= L`` and ``'='`` at ``L + 1``; its logits predict the target below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from rlt_scale.data.tasks import transition_table
+
+SUPERVISIONS = ("final", "running")
+
+TargetFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``targets(tokens [B, T+1]) -> (target ids [B, T], valid [B, T] bool)``, aligned with the model's logits."""
+
+
+def _with_answer(body_targets: torch.Tensor, body_valid: torch.Tensor, tokens: torch.Tensor):
+    """Place the body targets at input positions 1..L and the answer at the '=' position."""
+    b, t = tokens.shape[0], tokens.shape[1] - 1
+    targets = torch.zeros(b, t, dtype=torch.long, device=tokens.device)
+    valid = torch.zeros(b, t, dtype=torch.bool, device=tokens.device)
+    targets[:, 1:-1], valid[:, 1:-1] = body_targets, body_valid
+    targets[:, -1], valid[:, -1] = tokens[:, -1], True
+    return targets, valid
+
+
+def parity_targets(tokens: torch.Tensor):
+    bits = tokens[:, 1:-2] - ord("0")
+    prefix = torch.cumsum(bits, dim=1) % 2
+    return _with_answer(ord("0") + prefix, torch.ones_like(bits, dtype=torch.bool), tokens)
+
+
+def five_state_targets(tokens: torch.Tensor, table_seed: int = 0):
+    table = torch.as_tensor(transition_table(table_seed), device=tokens.device)
+    actions = tokens[:, 1:-2] - ord("a")
+    state = torch.zeros(len(tokens), dtype=torch.long, device=tokens.device)
+    states = []
+    for t in range(actions.shape[1]):
+        state = table[actions[:, t], state]
+        states.append(state)
+    return _with_answer(ord("0") + torch.stack(states, dim=1), torch.ones_like(actions, dtype=torch.bool), tokens)
+
+
+def addition_targets(tokens: torch.Tensor):
+    body = tokens[:, 1:-2] - ord("0")
+    a, b = body[:, 0::2], body[:, 1::2]
+    carry = torch.zeros(len(tokens), dtype=torch.long, device=tokens.device)
+    targets = torch.zeros_like(body)
+    valid = torch.zeros_like(body, dtype=torch.bool)
+    for i in range(a.shape[1]):
+        carry = (a[:, i] + b[:, i] + carry) >> 1
+        targets[:, 2 * i + 1], valid[:, 2 * i + 1] = carry, True  # known once b_i is read
+    return _with_answer(ord("0") + targets, valid, tokens)
+
+
+_RUNNING = {"parity": parity_targets, "five_state": five_state_targets, "addition": addition_targets}
+
+
+def target_fn(task: str, supervision: str) -> Optional[TargetFn]:
+    """The running-state target function of ``task``, or None for the data's own (final answer) targets."""
+    if supervision not in SUPERVISIONS:
+        raise ValueError(f"supervision must be one of {SUPERVISIONS}, got {supervision!r}")
+    return None if supervision == "final" else _RUNNING[task]
+
+
+def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy over the valid positions of ``logits [B, T, V]``."""
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return (loss * valid.flatten()).sum()
