@@ -47,3 +47,14 @@ def layout_overrides(data, run_dir, micro: int, dtype: str, extra: list[str]) ->
         "trainer.eval_interval=0", "trainer.device=cpu", "checkpoint.interval=0", "parallel.timeout_s=60",
         "optimizer.grad_clip=0.5", "optimizer.warmup_steps=1",
     ] + extra
+
+
+def tiny_run_overrides(data, run_dir, steps: int, *, interval: int = 2, micro: int = 2,
+                       timeout_s: int = 60) -> list[str]:
+    """A tiny model on the prepared parity ``data``, checkpointing every ``interval`` steps: the launcher tests' run."""
+    return [
+        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
+        "model.d_model=16", "model.n_heads=2", "model.window=4", f"trainer.max_steps={steps}",
+        f"trainer.micro_batch_size={micro}", "trainer.log_interval=1", "trainer.eval_interval=0",
+        "trainer.threads=1", f"parallel.timeout_s={timeout_s}", f"checkpoint.interval={interval}",
+    ]

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch import ROOT, free_port
+from launch import ROOT, free_port, tiny_run_overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -62,13 +62,8 @@ def data(tmp_path_factory):
 
 
 def _overrides(data, run_dir, steps: int, interval: int) -> list[str]:
-    return [
-        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=2", "model.window=4", f"trainer.max_steps={steps}",
-        f"trainer.micro_batch_size={MICRO}", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "trainer.threads=1", "parallel.timeout_s=30", f"checkpoint.interval={interval}",
-        "checkpoint.keep=1000",  # keep every checkpoint: test 2 replays from the one resumed
-    ]
+    # keep every checkpoint: test 2 replays from the one resumed
+    return tiny_run_overrides(data, run_dir, steps, interval=interval, micro=MICRO, timeout_s=30) + ["checkpoint.keep=1000"]
 
 
 def _records(run_dir: Path) -> list[dict]:

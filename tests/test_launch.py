@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, free_port
+from launch import ROOT, free_port, tiny_run_overrides as _overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -23,15 +23,6 @@ def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     prepare_task("parity", out, num_samples=128, length=8, seed=0, eval_samples=0)
     return out
-
-
-def _overrides(data, run_dir, steps):
-    return [
-        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=2", "model.window=4", f"trainer.max_steps={steps}",
-        "trainer.micro_batch_size=2", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "trainer.threads=1", "parallel.timeout_s=60", "checkpoint.interval=2",
-    ]
 
 
 def _env(**extra):

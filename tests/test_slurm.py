@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT
+from launch import ROOT, tiny_run_overrides as _overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -47,15 +47,6 @@ def data(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity")
     prepare_task("parity", out, num_samples=128, length=8, seed=0, eval_samples=0)
     return out
-
-
-def _overrides(data, run_dir, steps):
-    return [
-        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=2", "model.window=4", f"trainer.max_steps={steps}",
-        "trainer.micro_batch_size=2", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "trainer.threads=1", "parallel.timeout_s=60", "checkpoint.interval=1000",
-    ]
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -112,7 +103,7 @@ class Job:
 def test_sbatch_trains_checkpoints_on_sigterm_and_resumes(slurm, data, tmp_path):
     run, logs = tmp_path / "run", tmp_path / "logs"
     logs.mkdir()
-    job = Job(logs, ["configs/tiny.yaml", *_overrides(data, run, 100_000)])
+    job = Job(logs, ["configs/tiny.yaml", *_overrides(data, run, 100_000, interval=1000)])
     try:
         while len(_steps(run)) < 3:
             assert job.running(), f"job {job.id} ended early ({_job_state(job.id)}):\n{job.text()[-3000:]}"
@@ -134,7 +125,7 @@ def test_sbatch_trains_checkpoints_on_sigterm_and_resumes(slurm, data, tmp_path)
     assert "SIGTERM received" in rank_logs[0].read_text()
 
     # The same command again resumes from that checkpoint and runs to the end.
-    resumed = Job(logs, ["configs/tiny.yaml", *_overrides(data, run, stopped_at + 2)])
+    resumed = Job(logs, ["configs/tiny.yaml", *_overrides(data, run, stopped_at + 2, interval=1000)])
     try:
         state = resumed.wait()
     finally:
