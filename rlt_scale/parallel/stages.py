@@ -85,10 +85,11 @@ def build_stage(cfg: ModelConfig, tp_group, plan: StagePlan) -> RLT:
     for g in plan.memory_groups:
         if stages_reading_group(cfg, g, plan.n_stages)[0] != plan.stage:
             for p in model.memory[g].parameters():
-                p.pipeline_replica = True  # counted once (on the owner) in the gradient norm
-                p.ds_pipe_replicated = True  # the same rule for DeepSpeed ZeRO's norm
+                # Counted once (on the owner) in the gradient norm. DeepSpeed's attribute name,
+                # so ZeRO's own norm follows the same rule as grad_norm.global_grad_norm.
+                p.ds_pipe_replicated = True
     return model
 
 
 def is_pipeline_replica(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "pipeline_replica", False))
+    return bool(getattr(param, "ds_pipe_replicated", False))

@@ -220,6 +220,14 @@ class Trainer:
         loss = self.forward_backward(batches)
         return loss, self.optimizer_step()
 
+    def _forward_loss(self, batches: list[dict]) -> tuple[float, float]:
+        """(summed loss, valid targets) of one forward pass: a ring pass, or one batch in one process."""
+        if self.ring is not None:
+            return self.ring.forward_loss(batches)
+        (batch,) = batches
+        out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+        return float(out.loss_sum), float(out.n_targets)
+
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
         path = self.cfg.data.eval_path
@@ -230,18 +238,11 @@ class Trainer:
         loader = StreamingLoader(self.cfg.data, batch_size=t.micro_batch_size,
                                  dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, path=path)
         batches = [self._to_device(b) for _, b in zip(range(t.eval_batches), loader.iter_epoch_once())]
+        per_pass = t.grad_accum_steps if self.ring is not None else 1  # the ring takes a step's micro-batches
         sums = torch.zeros(2, dtype=torch.float64)
-        # The ring takes grad_accum_steps micro-batches per pass, as in training.
-        groups = ([batches[i:i + t.grad_accum_steps] for i in range(0, len(batches), t.grad_accum_steps)]
-                  if self.ring is not None else [[b] for b in batches])
-        for group in groups:
+        for i in range(0, len(batches), per_pass):
             with self._autocast():
-                if self.ring is not None:
-                    loss_sum, n_targets = self.ring.forward_loss(group)
-                else:
-                    out = run_sequence(self.model, group[0]["tokens"], group[0]["doc_ids"], group[0]["loss_mask"],
-                                       self.schedule)
-                    loss_sum, n_targets = float(out.loss_sum), float(out.n_targets)
+                loss_sum, n_targets = self._forward_loss(batches[i:i + per_pass])
             sums += torch.tensor([loss_sum, n_targets], dtype=torch.float64)
         sums = dp_sum(sums, self.ctx)
         return float(sums[0] / sums[1].clamp(min=1))
