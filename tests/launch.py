@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,3 +60,23 @@ def tiny_run_overrides(data, run_dir, steps: int, *, interval: int = 2, micro: i
         f"trainer.micro_batch_size={micro}", "trainer.log_interval=1", "trainer.eval_interval=0",
         "trainer.threads=1", f"parallel.timeout_s={timeout_s}", f"checkpoint.interval={interval}",
     ]
+
+
+def merge_pipeline_stages(stages: list[dict], agree: tuple[str, ...]) -> dict:
+    """One run's result from the files its pipeline stages wrote.
+
+    Values under ``agree`` (losses, norms, ...) must be equal on every stage;
+    ``grads`` and ``params`` are joined by name, and a tensor present on
+    several stages (a replicated memory projection) must be bit-identical
+    there. Other keys are taken from the first stage.
+    """
+    merged = {**stages[0], "grads": {}, "params": {}}
+    for stage in stages:
+        for key in agree:
+            assert stage[key] == merged[key], key
+        for key in ("grads", "params"):
+            for name, value in stage[key].items():
+                if name in merged[key]:
+                    assert torch.equal(merged[key][name], value), name
+                merged[key][name] = value
+    return merged

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import layout_overrides, torchrun
+from launch import layout_overrides, merge_pipeline_stages, torchrun
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -35,17 +35,7 @@ def _run(tmp_path, data, name, nproc, micro, extra):
     overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra) + [f"data.eval_path={data}/eval"]
     torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
-    merged = {"losses": stages[0]["losses"], "norms": stages[0]["norms"], "eval_loss": stages[0]["eval_loss"],
-              "tp_replicas_agree": all(stage["tp_replicas_agree"] for stage in stages), "grads": {}, "params": {}}
-    for stage in stages:
-        assert stage["losses"] == merged["losses"] and stage["norms"] == merged["norms"]
-        assert stage["eval_loss"] == merged["eval_loss"]
-        for key in ("grads", "params"):
-            for name_, value in stage[key].items():
-                if name_ in merged[key]:  # a memory projection replicated on several stages
-                    assert torch.equal(merged[key][name_], value), name_
-                merged[key][name_] = value
-    return merged
+    return merge_pipeline_stages(stages, agree=("losses", "norms", "eval_loss", "tp_replicas_agree"))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
