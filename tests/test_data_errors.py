@@ -35,11 +35,12 @@ def truncate(path, keep_bytes: int) -> None:
     path.write_bytes(data[:keep_bytes])
 
 
+@pytest.mark.parametrize("verify", ["start", "lazy"])  # lazy: the error comes from the worker that reads it
 @pytest.mark.parametrize("workers", [0, 2])
-def test_truncated_shard_fails_the_size_check(dataset, workers):
+def test_truncated_shard_fails_the_size_check(dataset, workers, verify):
     truncate(dataset / "shard-000001.tar", 5000)
     with pytest.raises(DataError, match=r"shard-000001\.tar.*5000 bytes, the index says \d+ \(truncated"):
-        read_all(dataset, workers)
+        read_all(dataset, workers, verify=verify)
 
 
 def test_truncated_shard_without_checksums_names_the_key_where_it_breaks(dataset):
@@ -51,13 +52,14 @@ def test_truncated_shard_without_checksums_names_the_key_where_it_breaks(dataset
         read_all(dataset, verify_checksums=False)
 
 
-def test_corrupt_shard_fails_the_checksum(dataset):
+@pytest.mark.parametrize("verify", ["start", "lazy"])
+def test_corrupt_shard_fails_the_checksum(dataset, verify):
     path = dataset / "shard-000002.tar"
     data = bytearray(path.read_bytes())
     data[2000] ^= 0xFF  # one flipped byte in a token payload: in-vocabulary garbage without the checksum
     path.write_bytes(bytes(data))
     with pytest.raises(DataError, match=r"shard-000002\.tar.*SHA-256 .* does not match"):
-        read_all(dataset)
+        read_all(dataset, verify=verify)
 
 
 def test_corrupt_npy_header_names_the_sample(dataset):
@@ -112,8 +114,8 @@ def test_skip_mode_warns_counts_and_keeps_alignment(dataset):
         return npy(np.full(16, 999, np.uint16)) if (key, suffix) == ("0000000014", "tokens.npy") else data
 
     rewrite_shard(dataset, 2, damage)
-    loader = StreamingLoader(config(dataset, on_error="skip"), batch_size=4)
-    with pytest.warns(SkippedDataWarning) as caught:
+    with pytest.warns(SkippedDataWarning) as caught:  # at start-up (data.verify: start) and again when read
+        loader = StreamingLoader(config(dataset, on_error="skip"), batch_size=4)
         seen = [p for batch in loader.iter_epoch_once() for p in positions_of(batch)]
     messages = " | ".join(str(w.message) for w in caught)
     assert "shard-000001.tar" in messages and "sample key '0000000014': token id 999" in messages
@@ -130,8 +132,8 @@ def test_skip_rows_keep_the_training_stream_aligned(dataset):
         it = iter(loader)
         batches = [positions_of(next(it)) for _ in range(5)]
     assert loader.consumed_samples == 40 and all(len(b) == 4 for b in batches)
-    reference = StreamingLoader(config(dataset, on_error="skip"), batch_size=8)
     with pytest.warns(SkippedDataWarning):
+        reference = StreamingLoader(config(dataset, on_error="skip"), batch_size=8)  # checks shard 0 at start-up
         ref_it = iter(reference)
         ref = [positions_of(next(ref_it))[4:] for _ in range(5)]
     assert batches == ref  # rank 1 holds the second half of each global batch, pads where shard 0 was
@@ -143,6 +145,8 @@ def test_config_validation_names_the_key():
         DataConfig(on_error="ignore").validate()
     with pytest.raises(ConfigError, match=r"^data\.num_workers"):
         DataConfig(num_workers=-1).validate()
+    with pytest.raises(ConfigError, match=r"^data\.verify: expected one of"):
+        DataConfig(verify="off").validate()
     with pytest.raises(ConfigError, match=r"^data\.url"):
         DataConfig(url="s3://bucket/x.tar").validate()
     DataConfig().validate()

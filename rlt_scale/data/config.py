@@ -13,6 +13,7 @@ from typing import Optional
 from rlt_scale.errors import ConfigError
 
 ON_ERROR_CHOICES = ("raise", "skip")
+VERIFY_CHOICES = ("start", "lazy")
 
 
 @dataclass
@@ -55,7 +56,18 @@ class DataConfig:
     place so that every rank stays aligned with the global order."""
 
     verify_checksums: bool = True
-    """Check each shard's size and SHA-256 against the index before using any of its samples."""
+    """Check each shard's size and SHA-256 against the index before using any of its samples.
+    The master switch: ``false`` turns off both checks that ``verify`` describes."""
+
+    verify: str = "start"
+    """When shards are first checked: ``"start"`` fetches and checks every shard of the dataset
+    when the loader is built (so also the eval set, when its loader is built), before the first
+    batch, with a progress bar (shards and MB) on stderr; a corrupt shard then stops the run at
+    start-up instead of hours in. With several DP ranks, rank ``r`` checks shards
+    ``r, r + dp_size, ...``, so each shard is hashed once per start and the rank that finds a bad
+    one raises. ``"lazy"`` checks a shard only when it is read. In both modes every read is still
+    checked, so the bytes used are the bytes checked. Under ``on_error: skip`` a bad shard found at
+    start-up warns (SkippedDataWarning) and is padded when read."""
 
     def validate(self) -> None:
         """Raise ConfigError for the first field that cannot work."""
@@ -75,3 +87,5 @@ class DataConfig:
             raise ConfigError("data.timeout_s", f"expected a positive number of seconds, got {self.timeout_s}")
         if self.on_error not in ON_ERROR_CHOICES:
             raise ConfigError("data.on_error", f"expected one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.verify not in VERIFY_CHOICES:
+            raise ConfigError("data.verify", f"expected one of {VERIFY_CHOICES}, got {self.verify!r}")

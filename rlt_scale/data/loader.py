@@ -15,6 +15,10 @@ How it stays exact (see :mod:`rlt_scale.data.order` for the order itself):
 
 Every DP rank reads the shards its samples are in; with the shard-sequential
 order that is every shard, and the rank keeps its ``1/dp_size`` of the samples.
+
+With ``data.verify: start`` (the default) the constructor first checks the size
+and SHA-256 of this rank's ``1/dp_size`` of the shards (shard ``i`` on rank
+``i % dp_size``), so a corrupt shard stops the run before the first batch.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 from rlt_scale.data.config import DataConfig
 from rlt_scale.data.index import DatasetIndex, read_index
 from rlt_scale.data.order import Segment, rank_segments
-from rlt_scale.data.shards import ShardReader, SkippedDataWarning, padding_rows
+from rlt_scale.data.shards import ShardReader, SkippedDataWarning, padding_rows, shards_of_rank, verify_shards
 from rlt_scale.errors import ConfigError, DataError
 
 Batch = dict[str, torch.Tensor]
@@ -66,6 +70,21 @@ class StreamingLoader:
         """Global samples (all DP ranks together) handed to the trainer so far: the resumable position."""
         self.skipped_samples = 0
         """This rank's samples replaced by padding under ``on_error: skip``."""
+        if cfg.verify_checksums and cfg.verify == "start":
+            self.verify()
+
+    def verify(self) -> None:
+        """Check this rank's share of the shards (``i % dp_size == dp_rank``) against the index now.
+
+        Raises :class:`DataError` naming the first bad shard file, with the
+        expected and actual size or SHA-256; under ``on_error: skip`` warns
+        (:class:`SkippedDataWarning`) for each bad one instead, and its samples
+        become padding rows when read. The constructor calls this for ``data.verify: start``.
+        """
+        mine = shards_of_rank(len(self.index.shards), self.dp_rank, self.dp_size)
+        for message in verify_shards(self.index, mine, on_error=self.cfg.on_error, progress=self.dp_rank == 0):
+            warnings.warn(f"{message} (found at start-up; its samples will be replaced by padding rows)",
+                          SkippedDataWarning, stacklevel=3)
 
     @classmethod
     def for_process_group(cls, cfg: DataConfig, *, batch_size: int, group=None, path: str | None = None):

@@ -13,14 +13,19 @@ With ``on_error="raise"`` the first problem raises :class:`DataError`; with
 (token 0, document 0, loss mask all False), counted, and described in the
 result's ``problems`` for the loader to warn about. Padding instead of dropping
 keeps every rank's batches aligned with the global order.
+
+:func:`fetch_shard` is the one place a shard's bytes are fetched and checked
+against the index; the read path here and the start-up pass
+(:func:`verify_shards`, ``data.verify: start``) both call it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import sys
 import tarfile
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
@@ -31,6 +36,96 @@ from rlt_scale.errors import DataError
 
 class SkippedDataWarning(UserWarning):
     """A bad shard or sample was skipped because ``data.on_error`` is ``"skip"``."""
+
+
+class ShardError(DataError):
+    """A whole shard cannot be used: unreadable, or its size or SHA-256 is not what the index records.
+
+    ``where`` names the shard file and its URL, ``detail`` says what is wrong
+    (expected and actual values); the message is ``"{where}: {detail}"``.
+    """
+
+    def __init__(self, where: str, detail: str):
+        super().__init__(f"{where}: {detail}")
+        self.where, self.detail = where, detail
+
+
+def shard_where(index: DatasetIndex, shard: int) -> str:
+    """How messages name a shard: ``shard NAME (URL)``."""
+    return f"shard {index.shards[shard].name} ({index.shard_url(shard)})"
+
+
+def check_shard_bytes(index: DatasetIndex, shard: int, data: bytes) -> None:
+    """Raise :class:`ShardError` unless ``data`` has the size and SHA-256 the index records for ``shard``."""
+    info = index.shards[shard]
+    if len(data) != info.bytes:
+        raise ShardError(shard_where(index, shard),
+                         f"{len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info.sha256:
+        raise ShardError(shard_where(index, shard), f"SHA-256 {digest[:16]}... does not match the index "
+                                                    f"({info.sha256[:16]}...): the shard is corrupt")
+
+
+def fetch_shard(index: DatasetIndex, shard: int, *, verify: bool = True) -> bytes:
+    """The bytes of shard number ``shard`` read through the index's URL template, checked when ``verify``.
+
+    Raises :class:`ShardError` when the shard cannot be read or (``verify``) fails the check.
+    """
+    try:
+        data = read_url(index.shard_url(shard))
+    except DataError as exc:
+        raise ShardError(shard_where(index, shard), f"cannot read ({exc.__cause__})") from exc
+    if verify:
+        check_shard_bytes(index, shard, data)
+    return data
+
+
+def shards_of_rank(num_shards: int, dp_rank: int, dp_size: int) -> range:
+    """The shards DP rank ``dp_rank`` checks at start-up: ``dp_rank, dp_rank + dp_size, ...``."""
+    return range(dp_rank, num_shards, dp_size)
+
+
+_VERIFIED: set[tuple[str, int, str]] = set()
+"""(URL, bytes, sha256) of the shards that passed :func:`verify_shards` in this process."""
+
+
+def verify_shards(index: DatasetIndex, shards: Iterable[int], *, on_error: str = "raise",
+                  progress: bool = True) -> list[str]:
+    """Fetch and check each of ``shards`` against the index before any of its samples is used.
+
+    With ``on_error="raise"`` the first bad shard raises :class:`ShardError`
+    (naming the file, expected and actual size or checksum); with ``"skip"``
+    the messages of the bad shards are returned. A shard this process already
+    verified at the same URL, size and checksum (the eval set's loader is
+    rebuilt at every evaluation) is not fetched again. ``progress`` shows a bar
+    (bytes and shards) on stderr when it is a terminal and the pass takes over
+    a second.
+    """
+    from tqdm import tqdm
+
+    todo = [s for s in shards if _verified_key(index, s) not in _VERIFIED]
+    problems: list[str] = []
+    total = sum(index.shards[s].bytes for s in todo)
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {index.path}", file=sys.stderr, delay=1.0,
+              disable=None if progress else True) as bar:
+        for done, shard in enumerate(todo, 1):
+            try:
+                fetch_shard(index, shard)
+            except ShardError as exc:
+                if on_error == "raise":
+                    raise
+                problems.append(str(exc))
+            else:
+                _VERIFIED.add(_verified_key(index, shard))
+            bar.set_postfix_str(f"{done}/{len(todo)} shards", refresh=False)
+            bar.update(index.shards[shard].bytes)
+    return problems
+
+
+def _verified_key(index: DatasetIndex, shard: int) -> tuple[str, int, str]:
+    info = index.shards[shard]
+    return index.shard_url(shard), info.bytes, info.sha256
 
 
 def padding_rows(rows: int, width: int, token_dtype: str | np.dtype = np.int64) -> dict[str, np.ndarray]:
@@ -116,7 +211,7 @@ class ShardReader:
         filled = np.zeros(len(local), dtype=bool)
         problems: list[str] = []
         info = self.index.shards[shard]
-        where = f"shard {info.name} ({self.index.shard_url(shard)})"
+        where = shard_where(self.index, shard)
 
         def problem(message: str) -> None:
             if self.on_error == "raise":
@@ -133,21 +228,12 @@ class ShardReader:
 
     def _fetch(self, shard: int, problem) -> bytes | None:
         """The shard's bytes, or None after reporting why they cannot be used."""
-        info = self.index.shards[shard]
         try:
-            data = read_url(self.index.shard_url(shard))
-        except DataError as exc:
-            problem(f"cannot read ({exc.__cause__})")
-            return None
-        if self.verify_checksums:
-            if len(data) != info.bytes:
-                problem(f"{len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
-                return None
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != info.sha256:
-                problem(f"SHA-256 {digest[:16]}... does not match the index ({info.sha256[:16]}...): the shard is corrupt")
-                return None
-        return data
+            return fetch_shard(self.index, shard, verify=self.verify_checksums)
+        except ShardError as exc:
+            detail = exc.detail
+        problem(detail)  # outside the except block: under "raise" one error, not a chained pair
+        return None
 
     def _parse(self, data: bytes, first: int, expected_count: int, slot_of: dict[int, int],
                out: dict[str, np.ndarray], filled: np.ndarray, problem) -> None:
