@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from rlt_scale.config import Config, ParallelConfig, config_to_yaml
 from rlt_scale.distributed import init_distributed
-from rlt_scale.errors import CheckpointError
+from rlt_scale.errors import CheckpointError, ConfigError
 from rlt_scale.model import RLT, build_model
 from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.sharded_state import ModelOptimizerState, named_weights
@@ -62,12 +64,22 @@ def load_checkpoint_model(run_dir: str | Path, checkpoint: Optional[str | Path] 
 
 def load_export(directory: str | Path, device: str = "cpu") -> tuple[RLT, Config]:
     """(model, config) from a directory written by :func:`export`."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    cfg = _config_from(OmegaConf.load(directory / CONFIG_FILE))
+    if not (directory / CONFIG_FILE).is_file():
+        raise CheckpointError(f"{directory / CONFIG_FILE} is missing: "
+                              f"{directory} is not a complete rlt-export directory")
+    try:
+        cfg = _config_from(OmegaConf.load(directory / CONFIG_FILE))
+    except (OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(str(directory / CONFIG_FILE), f"not a valid rlt-scale config ({err})") from None
     model, weights = _one_process_model(cfg, device)
-    tensors = load_file(directory / WEIGHTS_FILE, device=str(next(model.parameters()).device))
+    try:
+        tensors = load_file(directory / WEIGHTS_FILE, device=str(next(model.parameters()).device))
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{directory / WEIGHTS_FILE} is unreadable ({err})") from None
     wanted = named_weights(model)
     if tensors.keys() != wanted.keys():
         missing, extra = sorted(wanted.keys() - tensors.keys()), sorted(tensors.keys() - wanted.keys())

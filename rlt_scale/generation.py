@@ -10,7 +10,7 @@ one decoder step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -124,8 +124,19 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, cfg: SamplingConfig = SamplingConfig(),
-                 generator: Optional[torch.Generator] = None, stop_token: Optional[int] = None):
-        """Sample continuations; returns (new tokens ``[B, N]``, their log-probs ``[B, N]``)."""
+                 generator: Optional[torch.Generator] = None, stop_token: Optional[int] = None,
+                 on_token: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None):
+        """Sample continuations; returns (new tokens ``[B, N]``, their log-probs ``[B, N]``).
+
+        ``on_token(token, logprob)`` (both ``[B]``), if given, is called once per
+        sampled token as soon as it is sampled -- before the model consumes it --
+        so a caller can stream the text. ``max_new_tokens=0`` returns ``[B, 0]``.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if max_new_tokens == 0:
+            return (torch.empty((prompt.shape[0], 0), dtype=torch.long, device=prompt.device),
+                    torch.empty((prompt.shape[0], 0), dtype=torch.float32, device=prompt.device))
         logits, state = self.prefill(prompt)
         next_logits = logits[:, -1]
         tokens, logprobs = [], []
@@ -133,6 +144,8 @@ class Generator:
             token, logprob = self.sample(next_logits, cfg, generator)
             tokens.append(token)
             logprobs.append(logprob)
+            if on_token is not None:
+                on_token(token, logprob)
             if stop_token is not None and bool((token == stop_token).all()):
                 break
             next_logits, state = self.step(token, state)
