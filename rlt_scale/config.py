@@ -12,7 +12,7 @@ offending key.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -25,6 +25,14 @@ from rlt_scale.errors import ConfigError
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(key, f"expected one of {list(allowed)}, got {value!r}")
+
+
+def _finite_floats(prefix: str, section) -> None:
+    """NaN or infinity in any float field fails here, naming the key, not later inside torch."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{f.name}", f"expected a finite number, got {value}")
 
 
 def _positive(key: str, value, allow_zero: bool = False) -> None:
@@ -226,13 +234,23 @@ class CheckpointConfig:
     keep: int = 2
     """Keep the newest N checkpoints."""
     resume: bool = True
-    """Resume from the newest checkpoint in dir when there is one."""
+    """Resume from the newest loadable checkpoint in dir when there is one. The one the
+    ``latest`` pointer names comes first; a missing or unreadable pointer is reported
+    and the directory scanned instead."""
+    on_corrupt: str = "fallback"
+    """A checkpoint that fails to load on resume (incomplete, corrupt, checksum mismatch):
+    ``fallback`` warns and resumes from the next older one; ``refuse`` stops with the error."""
+    move_aside: bool = False
+    """A fresh run (``resume: false``, or nothing loadable) in a dir that holds checkpoints is
+    refused, so that it cannot overwrite them; true moves them, with the old metrics, to
+    ``<dir>/previous/<time>/`` instead."""
 
     def validate(self) -> None:
         if not self.dir:
             raise ConfigError("checkpoint.dir", "expected a directory path")
         _positive("checkpoint.interval", self.interval, allow_zero=True)
         _positive("checkpoint.keep", self.keep)
+        _choice("checkpoint.on_corrupt", self.on_corrupt, ("fallback", "refuse"))
 
 
 @dataclass
@@ -277,7 +295,9 @@ class Config:
 
     def validate(self) -> "Config":
         """Check every section, then the rules that span sections."""
-        for section in (self.model, self.parallel, self.data, self.optimizer, self.trainer, self.checkpoint, self.logging):
+        for name in ("model", "parallel", "data", "optimizer", "trainer", "checkpoint", "logging"):
+            section = getattr(self, name)
+            _finite_floats(name, section)
             section.validate()
         if self.trainer.precision == "fp64" and self.model.params_dtype != "float64":
             raise ConfigError("trainer.precision", "fp64 needs model.params_dtype=float64")
@@ -312,7 +332,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     try:
         layers = [schema]
         if path:
-            layers.append(OmegaConf.load(path))
+            layers.append(_load_yaml(path))
         if overrides:
             for item in overrides:
                 if "=" not in item:
@@ -324,6 +344,19 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         key = getattr(err, "full_key", None) or "config"
         raise ConfigError(str(key), str(err).splitlines()[0]) from None
     return cfg.validate()
+
+
+def _load_yaml(path: str):
+    """The YAML file at ``path``; a syntax error is one line naming file, line and column."""
+    import yaml
+
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(str(path), f"YAML syntax error at {where}: {problem}") from None
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -26,11 +26,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         from rlt_scale.training.trainer import Trainer  # heavy imports after the config is known good
 
-        summary = Trainer(cfg).fit()
+        trainer = Trainer(cfg)
+        summary = trainer.fit()
     except (ConfigError, DataError, FileNotFoundError, CheckpointError) as err:
         print(f"rlt-train: error: {err}", file=sys.stderr)
         return 2
-    print(summary, flush=True)
+    if trainer.ctx.is_logging_rank:  # the figures are already global: one summary per job
+        print(summary, flush=True)
     return 0
 
 

@@ -101,11 +101,13 @@ def test_garbled_shard_is_named(trained, tmp_path):
         _load(run, trained[1])
 
 
-def test_broken_latest_names_the_older_complete_checkpoint(trained, tmp_path):
+def test_broken_latest_falls_back_or_names_the_older_complete_checkpoint(trained, tmp_path, capsys):
     run = _copy_run(trained[0], tmp_path)
     (run / "checkpoints" / "step_00000004" / "meta.json").unlink()
+    assert CheckpointManager(run).latest().name == "step_00000002"  # on_corrupt=fallback, the default
+    assert "skipping step_00000004" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="newest older complete checkpoint is step_00000002"):
-        CheckpointManager(run).latest()
+        CheckpointManager(run, on_corrupt="refuse").latest()
     (run / "checkpoints" / "step_00000002" / "meta.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="step_00000002/meta.json is corrupt"):
         CheckpointManager(run).read_meta(run / "checkpoints" / "step_00000002")

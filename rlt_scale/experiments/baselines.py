@@ -37,6 +37,7 @@ from rlt_scale.errors import ConfigError
 from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
 from rlt_scale.model.blocks import EncoderBlock
 from rlt_scale.model.layers import RMSNorm, Rotary
+from rlt_scale.model.recurrence import count_valid_targets, valid_targets
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
 from rlt_scale.training.optim import build_optimizer, lr_at
@@ -209,7 +210,7 @@ class BaselineTrainer:
         mask = batch["loss_mask"].to(self.device).bool()
         doc = batch["doc_ids"].to(self.device)
         if self.targets is None:
-            targets, valid = tokens[:, 1:], mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
+            targets, valid = tokens[:, 1:], valid_targets(tokens, doc, mask)
         else:
             targets, valid = self.targets(tokens)
         logits = self.model(tokens[:, :-1])
@@ -234,7 +235,7 @@ class BaselineTrainer:
                 group["lr"] = lr
             step_batches = [next(batches) for _ in range(t.grad_accum_steps)]
             if self.targets is None:
-                n_targets = sum(int(b["loss_mask"][:, 1:].sum()) for b in step_batches)
+                n_targets = sum(count_valid_targets(b) for b in step_batches)
             else:
                 n_targets = sum(int(self.targets(b["tokens"])[1].sum()) for b in step_batches)
             self.optimizer.zero_grad(set_to_none=True)

@@ -77,17 +77,29 @@ class SequenceOutput:
     """Teacher-forced logits [B, T, V], only when asked for (never under checkpointing)."""
 
 
-def split_batch(tokens, doc_ids=None, loss_mask=None):
-    """``[B, T+1]`` sample -> inputs, input doc ids, targets, target mask.
+def valid_targets(tokens, doc_ids=None, loss_mask=None) -> torch.Tensor:
+    """``[B, T]`` bool: which next-token targets of ``[B, T+1]`` samples count in the loss.
 
     A target is valid where the loss mask allows it and it belongs to the
     same document as its input: the first token of a packed document is
-    independent of the previous one and is not predicted from it.
+    independent of the previous one and is not predicted from it. Every loss
+    and every target count (the divisor of a mean loss) uses this one rule.
     """
-    doc = torch.zeros_like(tokens) if doc_ids is None else doc_ids
     mask = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    valid = mask[:, 1:] & (doc[:, 1:] == doc[:, :-1])
-    return tokens[:, :-1], doc[:, :-1], tokens[:, 1:], valid
+    if doc_ids is None:
+        return mask[:, 1:]
+    return mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
+
+
+def count_valid_targets(batch: dict) -> int:
+    """The number of valid targets of a loader batch (``tokens``, ``doc_ids``, ``loss_mask``)."""
+    return int(valid_targets(batch["tokens"], batch.get("doc_ids"), batch.get("loss_mask")).sum())
+
+
+def split_batch(tokens, doc_ids=None, loss_mask=None):
+    """``[B, T+1]`` sample -> inputs, input doc ids, targets, valid-target mask (:func:`valid_targets`)."""
+    doc = torch.zeros_like(tokens) if doc_ids is None else doc_ids
+    return tokens[:, :-1], doc[:, :-1], tokens[:, 1:], valid_targets(tokens, doc_ids, loss_mask)
 
 
 def _chunk_loss(model: RLT, e, pos, doc, memory, state, offset, targets, valid, want_logits):

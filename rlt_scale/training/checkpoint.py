@@ -20,34 +20,43 @@ Objects to save come in two kinds:
   every rank, JSON-serialisable; rank 0 writes it into ``meta.json``.
 
 Saving: every rank writes into ``step_N.tmp/state``; after that collective,
-rank 0 writes ``meta.json``, publishes the directory by renaming it and then
-replaces ``latest`` atomically. A crash at any moment leaves the previous
-checkpoint loadable; leftover ``.tmp`` directories are ignored and reported.
+the ranks checksum the files between them, rank 0 writes ``meta.json`` (with
+the checksums and the run id), publishes the directory by renaming it,
+replaces ``latest`` atomically and prunes this run's older checkpoints. A
+crash at any moment leaves the previous checkpoint loadable; leftover
+``.tmp`` directories are ignored and reported. A failed save (a full disk)
+removes its partial copy and says that the previous checkpoint is intact.
 
-Loading never unpickles code: see :mod:`rlt_scale.training.checkpoint_files`.
+Loading verifies every file's checksum first, and never unpickles code: see
+:mod:`rlt_scale.training.checkpoint_files`. Which checkpoint to load, and
+whether a fresh run may start: :mod:`rlt_scale.training.checkpoint_dir`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import time
+import uuid
 from pathlib import Path
 from typing import Optional, Protocol
 
 import torch.distributed as dist
 
 from rlt_scale.errors import CheckpointError, ConfigError
-from rlt_scale.training.checkpoint_files import describe_load_failure, verify_state_files, write_text_durably
+from rlt_scale.training.checkpoint_dir import FORMAT_VERSION, META_FILE, CheckpointDirectory, barrier
+from rlt_scale.training.checkpoint_files import (
+    checksum_problems, describe_files, describe_load_failure, verify_state_files, write_text_durably)
 
-FORMAT_VERSION = 2
 STATE_DIR = "state"
-META_FILE = "meta.json"
 FAULT_ENV = "RLT_CHECKPOINT_FAULT"
 """Test-only fault injection: ``during_shards`` (the last rank dies before writing its
 shards), ``after_shards`` (rank 0 dies after every shard is written, before
 ``meta.json``) or ``before_pointer`` (rank 0 dies after publishing the directory,
 before updating ``latest``). Exit status 1, like a crash."""
+
 
 
 class Stateful(Protocol):
@@ -68,9 +77,49 @@ def _is_sharded(obj) -> bool:
     return hasattr(obj, "sharded_state_dict")
 
 
-def _barrier(world_size: int) -> None:
-    if world_size > 1:
-        dist.barrier()
+def _broadcast(value, world_size: int):
+    """Rank 0's ``value`` on every rank."""
+    if world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _merge_dicts(part: dict, world_size: int) -> dict:
+    """The union of every rank's ``part``, on every rank."""
+    if world_size == 1:
+        return part
+    parts = [None] * world_size
+    dist.all_gather_object(parts, part)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _rank_failures(err: BaseException) -> list[BaseException]:
+    """The per-rank exceptions a DCP ``CheckpointException`` gathered; [] for any other error."""
+    return [f[0] if isinstance(f, tuple) else f for f in getattr(err, "failures", {}).values()]
+
+
+def _disk_full(err: BaseException, directory: Path) -> bool:
+    """Whether a failed save ran out of space.
+
+    torch's zip writer reports a full disk as ``unexpected pos`` without an
+    errno, so besides ENOSPC anywhere in the chain, an almost full file
+    system counts as the cause.
+    """
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        todo += [e.__cause__, e.__context__, *_rank_failures(e)]
+    if "No space left on device" in str(err):
+        return True
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    return shutil.disk_usage(existing).free < (1 << 20)
 
 
 def _fault(point: str, rank: int, world_size: int) -> None:
@@ -92,114 +141,107 @@ def config_diff(saved: dict, run: dict, prefix: str) -> list[str]:
             lines.append(f"{prefix}.{key}: checkpoint {a!r}, run {b!r}")
     return lines
 
-
-class CheckpointManager:
+class CheckpointManager(CheckpointDirectory):
     """Save, find and load the checkpoints of one run directory.
 
     ``layout`` is this job's ``{"tp", "pp", "dp", "zero_stage"}``; ``rank`` and
-    ``world_size`` its place in it (tp * pp * dp ranks).
+    ``world_size`` its place in it (tp * pp * dp ranks). ``on_corrupt`` is
+    ``checkpoint.on_corrupt``: what :meth:`resume` does with a checkpoint that
+    fails to load (``fallback`` to the next older one, or ``refuse``).
+
+    ``run_id`` names the run that writes here; it is recorded in every
+    ``meta.json``, and pruning only ever removes older checkpoints of the same
+    run. :meth:`resume` adopts the loaded checkpoint's id;
+    :meth:`~CheckpointDirectory.start_fresh` mints a new one.
     """
 
     def __init__(self, run_dir: str | Path, keep: int = 2, rank: int = 0, world_size: int = 1,
-                 layout: Optional[dict] = None):
-        self.root = Path(run_dir) / "checkpoints"
-        self.keep, self.rank, self.world_size = keep, rank, world_size
+                 layout: Optional[dict] = None, on_corrupt: str = "fallback"):
+        super().__init__(run_dir, rank, world_size, on_corrupt)
+        self.keep = keep
         self.layout = layout or {"tp": 1, "pp": 1, "dp": world_size, "zero_stage": 0}
-
-    @staticmethod
-    def _name(step: int) -> str:
-        return f"step_{step:08d}"
-
-    # ------------------------------------------------------------ finding
-    def incomplete(self) -> list[Path]:
-        return sorted(self.root.glob("*.tmp")) if self.root.exists() else []
-
-    def complete(self) -> list[Path]:
-        """Published checkpoint directories that have a meta.json, oldest first."""
-        if not self.root.exists():
-            return []
-        return sorted(p for p in self.root.glob("step_*") if not p.name.endswith(".tmp") and (p / META_FILE).exists())
-
-    def latest(self) -> Optional[Path]:
-        """The checkpoint ``latest`` names; None when there is no pointer.
-
-        A pointer to a missing or incomplete directory is an error that names the
-        older complete checkpoints, rather than a silent fall-back to one of them.
-        """
-        pointer = self.root / "latest"
-        if not pointer.exists():
-            return None
-        path = self.root / pointer.read_text().strip()
-        if not (path / META_FILE).exists():
-            raise CheckpointError(f"{pointer} names {path.name}, which has no {META_FILE} (deleted or corrupt); "
-                                  f"{self._older_hint(path)}")
-        return path
-
-    def _older_hint(self, broken: Path) -> str:
-        older = [p.name for p in self.complete() if p.name < broken.name]
-        if not older:
-            return "no older complete checkpoint exists; move the checkpoints directory away to start afresh"
-        return (f"the newest older complete checkpoint is {older[-1]}: write that name into "
-                f"{self.root / 'latest'} to resume from it")
-
-    @staticmethod
-    def read_meta(path: Path) -> dict:
-        file = Path(path) / META_FILE
-        try:
-            meta = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{file} is missing: {path} is not a complete checkpoint") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{file} is corrupt (not JSON: {err})") from None
-        version = meta.get("format_version")
-        if version != FORMAT_VERSION:
-            raise CheckpointError(f"{file}: checkpoint format version {version}, this code reads version "
-                                  f"{FORMAT_VERSION}")
-        return meta
 
     # ------------------------------------------------------------ saving
     def save(self, step: int, objects: dict, extra: Optional[dict] = None) -> Path:
-        """Write every object; collective over all ranks. ``extra`` goes into meta.json."""
-        import torch.distributed.checkpoint as dcp
+        """Write every object; collective over all ranks. ``extra`` goes into meta.json.
 
+        A failure while writing (a full disk, say) removes the partial copy and
+        raises a :class:`CheckpointError` saying that the previous checkpoint is intact.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        self.run_id = self.run_id or uuid.uuid4().hex
         final = self.root / self._name(step)
         tmp = self.root / (self._name(step) + ".tmp")
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             (tmp / STATE_DIR).mkdir(parents=True)
-        _barrier(self.world_size)
+        barrier(self.world_size)
         sharded = {}
         for obj in objects.values():
             if _is_sharded(obj):
                 sharded.update(obj.sharded_state_dict())
         global_state = {name: obj.state_dict() for name, obj in objects.items() if not _is_sharded(obj)}
         _fault("during_shards", self.rank, self.world_size)
-        dcp.save(sharded, checkpoint_id=str(tmp / STATE_DIR))  # every rank its shards, in parallel
-        _fault("after_shards", self.rank, self.world_size)
+        try:
+            dcp.save(sharded, checkpoint_id=str(tmp / STATE_DIR))  # every rank its shards, in parallel
+            _fault("after_shards", self.rank, self.world_size)
+            files = self._checksums(tmp / STATE_DIR)
+            if self.rank == 0:
+                meta = {"format_version": FORMAT_VERSION, "step": step, "run_id": self.run_id,
+                        "layout": self.layout, "world_size": self.world_size, "state": global_state,
+                        "files": files, **(extra or {})}
+                write_text_durably(tmp / META_FILE, json.dumps(meta, indent=1))
+        except (Exception, CheckpointException) as err:  # DCP's (a BaseException) gathers every rank's failure
+            raise self._save_failed(step, tmp, err) from err
         if self.rank == 0:
-            meta = {"format_version": FORMAT_VERSION, "step": step, "layout": self.layout,
-                    "world_size": self.world_size, "state": global_state, **(extra or {})}
-            write_text_durably(tmp / META_FILE, json.dumps(meta, indent=1))
             self._publish(tmp, final)
             _fault("before_pointer", self.rank, self.world_size)
             write_text_durably(self.root / "latest", final.name)
-            self._prune()
-        _barrier(self.world_size)
+            self._prune(final)
+        barrier(self.world_size)
         return final
 
-    def _publish(self, tmp: Path, final: Path) -> None:
-        if final.exists():  # re-saving a step: set the old copy aside first (.tmp = ignored if we crash)
-            aside = final.with_name(final.name + ".old.tmp")
-            shutil.rmtree(aside, ignore_errors=True)
-            os.replace(final, aside)
-            os.replace(tmp, final)
-            shutil.rmtree(aside)
-        else:
-            os.replace(tmp, final)
+    def _checksums(self, state_dir: Path) -> dict:
+        """Content checksums of every file of ``state_dir`` (collective: the ranks split the files)."""
+        names = sorted(p.name for p in state_dir.iterdir()) if self.rank == 0 else None
+        names = _broadcast(names, self.world_size)
+        return _merge_dicts(describe_files(state_dir, names[self.rank::self.world_size]), self.world_size)
 
-    def _prune(self) -> None:
-        for old in self.complete()[: -self.keep]:
+    def _save_failed(self, step: int, tmp: Path, err: BaseException) -> CheckpointError:
+        full = _disk_full(err, self.root)
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space the partial copy took
+        target, _ = self._pointer()
+        previous = f"the previous checkpoint ({target.name}) is intact" if target else "no earlier checkpoint exists"
+        if full:
+            return CheckpointError(f"no space left on device while saving step {step} to {self.root}; {previous}")
+        cause = (_rank_failures(err) or [err])[0]
+        first = (str(cause).strip().splitlines() or [""])[0][:300]
+        return CheckpointError(f"saving step {step} to {self.root} failed ({type(cause).__name__}: {first}); "
+                               f"{previous}")
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            if self._run_id_of(final) == self.run_id:  # re-saving a step of this run: replace it
+                aside = final.with_name(final.name + ".old.tmp")  # .tmp = ignored if we crash
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(tmp, final)
+                shutil.rmtree(aside)
+                return
+            kept = final.with_name(f"{final.name}.superseded-{time.strftime('%Y%m%d-%H%M%S')}")
+            self._warn(f"{final} was not written by this run: kept as {kept.name}")
+            os.replace(final, kept)
+        os.replace(tmp, final)
+
+    def _prune(self, published: Path) -> None:
+        """Remove this run's checkpoints older than ``published``, beyond the newest ``keep``."""
+        step = self.step_of(published)
+        ours = [p for p in self.complete() if self.step_of(p) < step and self._run_id_of(p) == self.run_id]
+        for old in ours[: max(len(ours) - (self.keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------ loading
@@ -233,6 +275,7 @@ class CheckpointManager:
         same = self.same_layout(meta)
         state_dir = path / STATE_DIR
         verify_state_files(state_dir)
+        self._verify_checksums(state_dir, meta)
         loaded = {}
         for obj in objects.values():
             if _is_sharded(obj) and (same or not getattr(obj, "layout_bound", False)):
@@ -250,3 +293,50 @@ class CheckpointManager:
             elif same or not getattr(obj, "layout_bound", False):
                 obj.load_sharded_state_dict(loaded)
         return {**meta, "resharded": not same}
+
+    def _verify_checksums(self, state_dir: Path, meta: dict) -> None:
+        """Compare every file with the checksum recorded at save (collective: the ranks split the files).
+
+        Every rank raises the same error, naming each bad file, so none is left
+        waiting in a later collective. Checkpoints written before checksums
+        were recorded have no ``files`` entry and are only size-checked.
+        """
+        manifest = meta.get("files")
+        if manifest is None:
+            return
+        names = sorted(manifest)
+        problems = checksum_problems(state_dir, manifest, names[self.rank::self.world_size])
+        problems = sorted(_merge_dicts({p: None for p in problems}, self.world_size))
+        if problems:
+            raise CheckpointError("; ".join(problems))
+
+    def resume(self, objects: dict, run_model_config: Optional[dict] = None) -> Optional[dict]:
+        """Load the best candidate (collective); its metadata, or None when there is no checkpoint at all.
+
+        A candidate that fails to load (incomplete, corrupt, checksum mismatch)
+        is skipped with a warning under ``on_corrupt="fallback"`` and the next
+        older one is tried; under ``"refuse"`` its error is raised. A checkpoint
+        of another model is always refused. When every candidate fails, the
+        error lists them all: a run never silently starts afresh over them.
+        """
+        candidates = self.candidates()
+        failures = []
+        for i, path in enumerate(candidates):
+            try:
+                meta = self.load(path, objects, run_model_config)
+            except CheckpointError as err:
+                failures.append(f"{path.name}: {err}")
+                if self.on_corrupt == "refuse":
+                    raise CheckpointError(f"{err} (checkpoint.on_corrupt=refuse; "
+                                          f"{self._older_hint(path)})") from None
+                rest = candidates[i + 1:]
+                self._warn(f"cannot resume from {path.name}: {err}; "
+                           + (f"falling back to {rest[0].name}" if rest else "no older checkpoint is left"))
+                continue
+            self.run_id = meta.get("run_id") or uuid.uuid4().hex
+            return {**meta, "path": str(path), "skipped": [p.name for p in candidates[:i]]}
+        if failures:
+            raise CheckpointError(f"no checkpoint in {self.root} can be loaded:\n  " + "\n  ".join(failures)
+                                  + "\nmove the directory away (or set checkpoint.move_aside=true with "
+                                    "checkpoint.resume=false) to start afresh")
+        return None

@@ -22,7 +22,7 @@ from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.distributed import ParallelContext, init_distributed
 from rlt_scale.errors import ConfigError
 from rlt_scale.model import RLT, build_model
-from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.model.recurrence import Schedule, count_valid_targets, run_sequence
 from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.parallel.pipeline import RingPipeline
@@ -42,11 +42,20 @@ class TrainSummary:
     last_loss: Optional[float]
     tokens_per_s: float
     checkpoint: Optional[str]
+    max_steps: Optional[int] = None
     eval_loss: Optional[float] = None
     losses: list[float] = field(default_factory=list)
     preempted: bool = False
+    skipped_samples: int = 0
+    already_complete: bool = False
 
     def __str__(self) -> str:
+        if self.already_complete:
+            return (f"== training summary ==\nnothing to do: the run is already complete at step {self.steps} "
+                    f"(trainer.max_steps={self.max_steps}), "
+                    f"checkpoint {self.checkpoint}\n"
+                    f"to train longer, raise trainer.max_steps; to start over, use a new checkpoint.dir, or "
+                    f"checkpoint.resume=false checkpoint.move_aside=true")
         first = f"{self.first_loss:.4f}" if self.first_loss is not None else "-"
         last = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
         lines = [
@@ -56,6 +65,8 @@ class TrainSummary:
             f"tokens/s         {self.tokens_per_s:,.0f}",
             f"checkpoint       {self.checkpoint}",
         ]
+        if self.skipped_samples:
+            lines.append(f"skipped samples  {self.skipped_samples} (bad data replaced by padding, data.on_error=skip)")
         if self.preempted:
             lines.append("stopped early by a preemption signal; rerun the same command to resume")
         if self.eval_loss is not None:
@@ -80,11 +91,15 @@ class Trainer:
 
         t = cfg.trainer
         self.loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
-        if self.loader.vocab_size > cfg.model.vocab_size:
-            raise ConfigError(
-                "model.vocab_size",
-                f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {cfg.model.vocab_size}",
-            )
+        # The eval set is opened (and checked) now, not at the first evaluation hours in.
+        self.eval_loader: Optional[StreamingLoader] = None
+        if cfg.data.eval_path:
+            self.eval_loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank,
+                                               dp_size=self.ctx.dp, path=cfg.data.eval_path)
+        for loader in (self.loader, self.eval_loader):
+            if loader is not None and loader.vocab_size > cfg.model.vocab_size:
+                raise ConfigError("model.vocab_size", f"data at {loader.index.path} uses {loader.vocab_size} token ids, "
+                                                      f"model has {cfg.model.vocab_size}")
         self.schedule = Schedule.from_trainer(t)
         self.ring: Optional[RingPipeline] = None
         if self.ctx.pp > 1:
@@ -106,9 +121,11 @@ class Trainer:
         self.model_state = ModelOptimizerState(self.model, self.optimizer, self.ctx, self.zero)
         layout = {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp, "zero_stage": cfg.parallel.zero_stage}
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.ctx.rank,
-                                             world_size=self.ctx.world_size, layout=layout)
+                                             world_size=self.ctx.world_size, layout=layout,
+                                             on_corrupt=cfg.checkpoint.on_corrupt)
         self.step = 0
-        self.run_id: Optional[str] = None
+        self.resumed_from: Optional[Path] = None
+        self.wandb_id: Optional[str] = None
 
     # -------------------------------------------------------------- plumbing
     def stateful(self) -> dict:
@@ -136,14 +153,18 @@ class Trainer:
               f"from {self.cfg.data.path}", flush=True)
 
     def maybe_resume(self) -> None:
+        """Resume from the newest loadable checkpoint, or start a fresh run that overwrites nothing."""
         for leftover in self.checkpoints.incomplete() if self.ctx.is_logging_rank else []:
             print(f"warning: ignoring incomplete checkpoint {leftover}", flush=True)
-        latest = self.checkpoints.latest() if self.cfg.checkpoint.resume else None
-        if latest is None:
+        meta = None
+        if self.cfg.checkpoint.resume:
+            meta = self.checkpoints.resume(self.stateful(), run_model_config=config_to_dict(self.cfg)["model"])
+        if meta is None:
+            self.checkpoints.start_fresh(move_aside=self.cfg.checkpoint.move_aside)
             return
-        meta = self.checkpoints.load(latest, self.stateful(), run_model_config=config_to_dict(self.cfg)["model"])
+        latest = self.resumed_from = Path(meta["path"])
         self.step = int(meta["step"])
-        self.run_id = meta.get("wandb_run_id")
+        self.wandb_id = meta.get("wandb_run_id")
         if meta["resharded"]:  # per-rank RNG rows belong to the old layout's ranks
             self.rng.reseed(self.cfg.trainer.seed, self.step)
         if self.ctx.is_logging_rank:
@@ -157,14 +178,22 @@ class Trainer:
                       f"RNG reseeded from (trainer.seed, step, rank)", flush=True)
 
     def _last_logged_step(self) -> int:
+        """The newest step in metrics.jsonl. A line cut short by a crash mid-write is skipped, not fatal."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return 0
-        steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+        steps = []
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            try:
+                steps.append(int(json.loads(line).get("step", 0)))
+            except (ValueError, AttributeError, TypeError):
+                if line.strip() and self.ctx.is_logging_rank:
+                    print(f"warning: {path}:{number} is not a JSON record (cut short by a crash?); ignored",
+                          flush=True)
         return max(steps, default=0)
 
     def save(self) -> Path:
-        extra = {"config": config_to_dict(self.cfg), "wandb_run_id": self.run_id,
+        extra = {"config": config_to_dict(self.cfg), "wandb_run_id": self.wandb_id,
                  "consumed_samples": self.loader.state_dict()["consumed_samples"]}
         return self.checkpoints.save(self.step, self.stateful(), extra)
 
@@ -177,7 +206,7 @@ class Trainer:
         ranks gives exactly the single-process gradient.
         """
         self.model.train()
-        counts = torch.tensor([sum(int(b["loss_mask"][:, 1:].sum()) for b in batches)], dtype=torch.float64)
+        counts = torch.tensor([sum(count_valid_targets(b) for b in batches)], dtype=torch.float64)
         n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
         loss_sum = torch.zeros(1, dtype=torch.float64)
         if self.zero is None:  # DeepSpeed manages (partitioned) gradients itself
@@ -230,14 +259,11 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
-        path = self.cfg.data.eval_path
-        if not path:
+        if self.eval_loader is None:
             return None
         self.model.eval()
         t = self.cfg.trainer
-        loader = StreamingLoader(self.cfg.data, batch_size=t.micro_batch_size,
-                                 dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp, path=path)
-        batches = [self._to_device(b) for _, b in zip(range(t.eval_batches), loader.iter_epoch_once())]
+        batches = [self._to_device(b) for _, b in zip(range(t.eval_batches), self.eval_loader.iter_epoch_once())]
         per_pass = t.grad_accum_steps if self.ring is not None else 1  # the ring takes a step's micro-batches
         sums = torch.zeros(2, dtype=torch.float64)
         for i in range(0, len(batches), per_pass):
@@ -264,8 +290,10 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         self.announce()
         self.maybe_resume()
-        logger = MetricsLogger(cfg.logging, self.run_dir, config_to_dict(cfg), self.ctx.is_logging_rank, self.run_id)
-        self.run_id = logger.run_id
+        if self.step >= t.max_steps:
+            return self._already_complete()
+        logger = MetricsLogger(cfg.logging, self.run_dir, config_to_dict(cfg), self.ctx.is_logging_rank, self.wandb_id)
+        self.wandb_id = logger.run_id
         if self.step:  # resumed: the metrics stream records where it picked up
             logger.log({"step": self.step, "note": "resumed",
                         "lost_steps": max(self._last_logged_step() - self.step, 0)})
@@ -295,6 +323,7 @@ class Trainer:
                 record = {
                     "step": self.step, "loss": loss, "lr": self.optimizer.param_groups[0]["lr"], "grad_norm": norm,
                     "tokens_per_s": window_tokens / elapsed, "consumed_samples": self.loader.state_dict()["consumed_samples"],
+                    "skipped_samples": self._skipped_samples(),
                 }
                 if flops is not None:
                     record["mfu"] = record["tokens_per_s"] * flops[0] / peak
@@ -325,7 +354,18 @@ class Trainer:
             last_loss=losses[-1] if losses else None,
             tokens_per_s=run_tokens / run_time if run_time else 0.0,
             checkpoint=str(ckpt),
+            max_steps=t.max_steps,
             eval_loss=eval_loss,
             losses=losses,
             preempted=preemption.requested,
+            skipped_samples=self._skipped_samples(),
         )
+
+    def _skipped_samples(self) -> int:
+        """Samples of the whole job replaced by padding so far (``data.on_error: skip``); collective over DP."""
+        return int(dp_sum(torch.tensor([float(self.loader.skipped_samples)], dtype=torch.float64), self.ctx)[0])
+
+    def _already_complete(self) -> TrainSummary:
+        """A resumed run that has nothing left to do: say so rather than train zero steps (or save again)."""
+        return TrainSummary(steps=self.step, first_loss=None, last_loss=None, tokens_per_s=0.0,
+                            checkpoint=str(self.resumed_from), max_steps=self.cfg.trainer.max_steps, already_complete=True)
