@@ -17,13 +17,27 @@
 #   MASTER_PORT [29500]
 #   LAUNCHER [pdsh]        DeepSpeed's multi-node launcher: pdsh, openmpi, mpich, impi, mvapich, slurm
 #   DS_ARGS [unset]        further launcher options, e.g. "--include=node1:0,1@node2 --no_ssh_check"
+#   SHUTDOWN_TIMEOUT [100] seconds the workers get after a stop signal to checkpoint before SIGKILL
 #   DEEPSPEED [.venv/bin/deepspeed]
+#   PYTHON [.venv/bin/python]  runs rlt_scale.launcher, which runs DEEPSPEED
 # On CPU-only machines the launcher starts NPROC_PER_NODE (or slots=N) CPU processes.
 # The deepspeed launcher does not restart failed workers: for restarts and
 # elastic node counts use launch/torchrun.sh or launch/slurm.sh.
+#
+# Stopping: SIGTERM or SIGUSR1 to this script (rlt_scale.launcher: the script
+# execs it) goes to this machine's workers only; they checkpoint at the end of
+# the current step and exit 0, and the script exits 0 when the deepspeed
+# launcher did (it does when every worker exited 0), else with its status;
+# after SHUTDOWN_TIMEOUT seconds everything left is SIGKILLed (status 128 +
+# the signal number, 143 for SIGTERM). SIGINT is forwarded the same way (no
+# checkpoint). With a multi-host HOSTFILE (pdsh) the signal goes to DeepSpeed's
+# runner instead (SIGUSR1 as SIGTERM): it has pdsh SIGTERM the launchers on
+# every host, whose workers then checkpoint (DeepSpeed gives them 30 s), and
+# exits 1 a second later without waiting: check checkpoint.dir's `latest`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEEPSPEED=${DEEPSPEED:-.venv/bin/deepspeed}
+PYTHON=${PYTHON:-.venv/bin/python}
 args=(--master_port "${MASTER_PORT:-29500}")
 if [[ -n "${HOSTFILE:-}" ]]; then
   [[ -f "$HOSTFILE" ]] || { echo "launch/deepspeed.sh: HOSTFILE=$HOSTFILE does not exist" >&2; exit 2; }
@@ -35,4 +49,5 @@ fi
 # DS_ARGS is split on spaces on purpose: it carries several options.
 # shellcheck disable=SC2206
 [[ -n "${DS_ARGS:-}" ]] && args+=($DS_ARGS)
-exec "$DEEPSPEED" "${args[@]}" --module rlt_scale.train "$@"
+exec "$PYTHON" -m rlt_scale.launcher deepspeed "${SHUTDOWN_TIMEOUT:-100}" \
+  "$DEEPSPEED" "${args[@]}" --module rlt_scale.train "$@"

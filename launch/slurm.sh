@@ -38,8 +38,11 @@
 # to every process of the job step (the agents and their workers); a
 # preempting or cancelling Slurm sends SIGTERM then SIGKILL after its
 # KillWait/GraceTime. The trainer checkpoints at the end of the current step
-# and exits; the agents give the workers SHUTDOWN_TIMEOUT seconds before
-# SIGKILL. A resubmitted (or --requeue'd) job resumes from the newest complete
+# and exits 0; the agents give the workers SHUTDOWN_TIMEOUT seconds before
+# SIGKILL and exit 0 when every worker exited 0, else 128 + the signal number
+# (rlt_scale.launcher, see launch/torchrun.sh), so a job that checkpointed
+# ends COMPLETED (PREEMPTED or CANCELLED when Slurm ended it for that reason).
+# A resubmitted (or --requeue'd) job resumes from the newest complete
 # checkpoint in checkpoint.dir by itself.
 #
 # Rendezvous: the c10d store lives in the first node's agent. Losing any
@@ -88,5 +91,5 @@ agent=(
 # The per-node log directory is expanded on each node ($SLURMD_NODENAME).
 srun --export=ALL --nodes="$nodes" --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill \
   ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} \
-  bash -c 'exec "$PYTHON" -m torch.distributed.run --log-dir="$JOB_LOG_DIR/$SLURMD_NODENAME" "$@"' \
+  bash -c 'exec "$PYTHON" -m rlt_scale.launcher torchrun --log-dir="$JOB_LOG_DIR/$SLURMD_NODENAME" "$@"' \
   rlt-agent "${agent[@]}"
