@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import Clock, machine, model_config, print_table, set_threads, warn_if_busy, write_results
 
 from rlt_scale.config import OptimizerConfig
-from rlt_scale.profiling.flops import analytic_flops, decoder_segments
+from rlt_scale.profiling.flops import analytic_flops
 from rlt_scale.profiling.workload import Workload, forward_backward, make_model, make_tokens, train_step
 from rlt_scale.training.optim import build_optimizer
 
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         name = {0: "RLT-0", 1: "RLT-1"}.get(k, f"RLT-2 K={k}")
         results[k] = {"name": name, "feedback_block": k, "step_wall_s": wall[k], "step_cpu_s": cpu[k],
                       "ratio_wall_vs_rlt0": ratio_wall, "ratio_cpu_vs_rlt0": ratio_cpu,
-                      "segments": len(decoder_segments(cfg, work)),
-                      "sequential_decoder_depth": len(decoder_segments(cfg, work)) * cfg.n_dec_layers,
+                      "segments": len(work.plan(cfg.feedback_block).segments),
+                      "sequential_decoder_depth": len(work.plan(cfg.feedback_block).segments) * cfg.n_dec_layers,
                       "hardware_flops": flops.hardware_flops, "model_flops": flops.model_flops}
         rows.append([name, results[k]["segments"], f"{statistics.median(wall[k]):.2f}s",
                      f"{statistics.median(cpu[k]):.2f}s", f"{ratio_wall:.2f}x", f"{ratio_cpu:.2f}x",

@@ -10,7 +10,7 @@ import torch
 
 from conftest import grads
 from rlt_scale.model.layers import document_positions
-from rlt_scale.model.recurrence import Schedule, run_sequence, split_batch
+from rlt_scale.training.bptt import BPTT, run_sequence, split_batch
 
 TOL = 1e-10
 
@@ -22,9 +22,9 @@ def _batch(seed=0, batch=2, length=13, vocab=23):
     return tokens, mask
 
 
-def _loss_and_grads(model, tokens, mask, schedule):
+def _loss_and_grads(model, tokens, mask, bptt):
     model.zero_grad(set_to_none=True)
-    out = run_sequence(model, tokens, loss_mask=mask, schedule=schedule)
+    out = run_sequence(model, tokens, loss_mask=mask, bptt=bptt)
     loss = out.loss_sum / out.n_targets
     loss.backward()
     return loss.detach(), grads(model)
@@ -40,9 +40,9 @@ def _max_diff(a: dict, b: dict) -> float:
 def test_chunked_checkpointed_gradients_equal_unchunked(make_model, k, chunk):
     model = make_model(feedback_block=k)
     tokens, mask = _batch()
-    ref_loss, ref = _loss_and_grads(model, tokens, mask, Schedule())
+    ref_loss, ref = _loss_and_grads(model, tokens, mask, BPTT())
     for ckpt in (False, True):
-        loss, got = _loss_and_grads(model, tokens, mask, Schedule(chunk_size=chunk, checkpoint=ckpt))
+        loss, got = _loss_and_grads(model, tokens, mask, BPTT(chunk_size=chunk, checkpoint=ckpt))
         assert abs(loss - ref_loss) <= TOL
         assert _max_diff(got, ref) <= TOL
 
@@ -76,8 +76,8 @@ def test_truncated_bptt_matches_hand_reference_and_differs_from_exact(make_model
     model = make_model(feedback_block=1)
     tokens, mask = _batch(seed=1)
     chunk, every = 3, 2
-    schedule = Schedule(chunk_size=chunk, checkpoint=ckpt, tbptt_chunks=every, detach=frozenset(detach))
-    loss, got = _loss_and_grads(model, tokens, mask, schedule)
+    bptt = BPTT(chunk_size=chunk, checkpoint=ckpt, tbptt_chunks=every, detach=frozenset(detach))
+    loss, got = _loss_and_grads(model, tokens, mask, bptt)
 
     model.zero_grad(set_to_none=True)
     ref_loss = _hand_truncated_loss(model, tokens, mask, chunk, every, set(detach))
@@ -86,7 +86,7 @@ def test_truncated_bptt_matches_hand_reference_and_differs_from_exact(make_model
     assert abs(loss - ref_loss.detach()) <= TOL  # truncation never changes the forward
     assert _max_diff(got, ref) <= TOL
 
-    _, exact = _loss_and_grads(model, tokens, mask, Schedule(chunk_size=chunk))
+    _, exact = _loss_and_grads(model, tokens, mask, BPTT(chunk_size=chunk))
     assert _max_diff(got, exact) > 1e-8
 
 
@@ -107,6 +107,25 @@ def test_loss_mask_only_counts_masked_in_targets_but_state_sees_everything(make_
     assert abs(out.loss_sum - ce) <= TOL
 
 
-def test_schedule_description_says_when_truncated():
-    assert "TRUNCATED" in Schedule(chunk_size=4, tbptt_chunks=2).describe()
-    assert "exact BPTT" in Schedule(chunk_size=4).describe()
+def test_bptt_description_says_when_truncated():
+    assert "TRUNCATED" in BPTT(chunk_size=4, tbptt_chunks=2).describe()
+    assert "exact BPTT" in BPTT(chunk_size=4).describe()
+
+
+def test_segment_plan_cuts_packed_documents_chunks_and_truncation_once():
+    from rlt_scale.model.layers import document_positions
+    from rlt_scale.training.bptt import SegmentPlan
+
+    # row 1 starts a document at position 4: a K=3 block cut there too
+    doc = torch.tensor([[0] * 10, [0] * 4 + [1] * 6])
+    plan = SegmentPlan.build(document_positions(doc), 3, BPTT(chunk_size=4, tbptt_chunks=2))
+    assert plan.chunks == ((0, 4), (4, 8), (8, 10))
+    assert plan.segments == ((0, 3), (3, 4), (4, 6), (6, 7), (7, 8), (8, 9), (9, 10))
+    assert plan.chunk_of == (0, 0, 1, 1, 1, 2, 2)
+    assert plan.truncated == (False, False, True)
+    assert plan.chunk_segments(1) == [(0, 2), (2, 3), (3, 4)]
+    assert [plan.chunk_first(t) for t in range(7)] == [0, 0, 2, 2, 2, 5, 5]
+    assert [plan.starts_truncation(t) for t in range(7)] == [False] * 5 + [True, False]
+    assert [plan.truncation_start(t) for t in range(7)] == [0] * 5 + [8, 8]
+    # a chunk longer than the sample is one chunk; K=0 runs it whole
+    assert SegmentPlan.build(document_positions(doc), 0, BPTT(chunk_size=64)).segments == ((0, 10),)

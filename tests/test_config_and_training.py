@@ -10,7 +10,7 @@ import torch
 from rlt_scale.config import ModelConfig, load_config
 from rlt_scale.errors import ConfigError
 from rlt_scale.model import build_model
-from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.training.bptt import BPTT, run_sequence
 from rlt_scale.training.optim import build_optimizer, lr_at
 from rlt_scale.config import OptimizerConfig
 
@@ -82,7 +82,7 @@ def test_tiny_model_memorises_a_fixed_batch(ctx, k):
     losses = []
     for _ in range(40):
         opt.zero_grad()
-        out = run_sequence(model, tokens, schedule=Schedule(chunk_size=6, checkpoint=True))
+        out = run_sequence(model, tokens, bptt=BPTT(chunk_size=6, checkpoint=True))
         loss = out.loss_sum / out.n_targets
         loss.backward()
         opt.step()
@@ -95,9 +95,9 @@ def test_bf16_autocast_step_tracks_fp32(ctx):
     torch.manual_seed(0)
     model = build_model(ModelConfig(vocab_size=32, d_model=32, n_heads=4, window=4), ctx.tp_group)
     tokens = torch.randint(0, 32, (2, 13), generator=torch.Generator().manual_seed(1))
-    fp32 = run_sequence(model, tokens, schedule=Schedule(chunk_size=4))
+    fp32 = run_sequence(model, tokens, bptt=BPTT(chunk_size=4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        bf16 = run_sequence(model, tokens, schedule=Schedule(chunk_size=4, checkpoint=True))
+        bf16 = run_sequence(model, tokens, bptt=BPTT(chunk_size=4, checkpoint=True))
     (bf16.loss_sum / bf16.n_targets).backward()
     assert abs(bf16.loss_sum.item() - fp32.loss_sum.item()) / fp32.loss_sum.item() < 0.02  # bf16 has ~3 digits
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

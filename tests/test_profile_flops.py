@@ -10,12 +10,11 @@ the sequence, chunking and chunk checkpointing.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rlt_scale.config import ModelConfig
-from rlt_scale.model.recurrence import run_sequence
+from rlt_scale.training.bptt import run_sequence
 from rlt_scale.profiling.counting import count_step_flops, flop_counter
-from rlt_scale.profiling.flops import analytic_flops, decoder_segments
+from rlt_scale.profiling.flops import analytic_flops
 from rlt_scale.profiling.measure import profile_layers
 from rlt_scale.profiling.workload import Workload, make_tokens
 
@@ -40,7 +39,7 @@ def _cfg(make_model, overrides):
 
 def _loss_fn(model, tokens, work):
     def loss():
-        out = run_sequence(model, tokens, schedule=work.schedule())
+        out = run_sequence(model, tokens, bptt=work.bptt())
         return out.loss_sum / out.n_targets
     return loss
 
@@ -67,7 +66,7 @@ def test_attention_is_counted_on_cpu(make_model):
     work = Workload(1, 9)
     tokens = make_tokens(cfg, work)
     with flop_counter() as counter:
-        run_sequence(model, tokens, schedule=work.schedule())
+        run_sequence(model, tokens, bptt=work.bptt())
     packets = {str(k) for k in counter.get_flop_counts()["Global"]}
     assert any("scaled_dot_product" in p for p in packets), packets
 
@@ -114,12 +113,9 @@ def test_useful_attention_counts_t_and_min_t_w():
     assert rows[("decoder.0", "attn")].fwd == per_pair * 25  # K=0: one segment, no cache yet
 
 
-def test_segments_follow_the_model(make_model):
-    model, cfg = _cfg(make_model, dict(feedback_block=3))
+def test_cost_model_reads_the_segment_plan_the_model_runs(make_model):
+    _, cfg = _cfg(make_model, dict(feedback_block=3))
     work = Workload(1, 14, chunk_size=5)
-    pos = torch.arange(work.seq_len)[None]
-    expected = []
-    for a in range(0, work.seq_len, work.chunk):
-        b = min(a + work.chunk, work.seq_len)
-        expected += [(a + x, a + y) for x, y in model.segments(pos[:, a:b])]
-    assert decoder_segments(cfg, work) == expected
+    # chunks [0,5) [5,10) [10,14); K=3 cuts at multiples of 3 and at every chunk start
+    assert list(work.plan(cfg.feedback_block).segments) == [
+        (0, 3), (3, 5), (5, 6), (6, 9), (9, 10), (10, 12), (12, 14)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from rlt_scale.config import load_config
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import ConfigError, DataError
-from rlt_scale.model.recurrence import run_sequence, valid_targets
+from rlt_scale.training.bptt import run_sequence, valid_targets
 from rlt_scale.train import main as train_main
 from rlt_scale.training.trainer import Trainer
 

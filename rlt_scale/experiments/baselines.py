@@ -37,7 +37,7 @@ from rlt_scale.errors import ConfigError
 from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
 from rlt_scale.model.blocks import EncoderBlock
 from rlt_scale.model.layers import RMSNorm, Rotary
-from rlt_scale.model.recurrence import count_valid_targets, valid_targets
+from rlt_scale.training.bptt import count_valid_targets, valid_targets
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
 from rlt_scale.training.optim import build_optimizer, lr_at

@@ -27,7 +27,7 @@ import torch
 from rlt_scale.config import Config
 from rlt_scale.experiments.evaluate import Accuracy, batches_of, predictions
 from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
-from rlt_scale.model.recurrence import run_sequence
+from rlt_scale.training.bptt import run_sequence
 from rlt_scale.training.trainer import Trainer
 
 
@@ -100,7 +100,7 @@ class EarlyStoppingTrainer(Trainer):
         total = 0.0
         for batch, (targets, valid) in zip(batches, pairs):
             with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule,
+                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt,
                                    want_logits=True)
             loss = masked_cross_entropy(out.logits, targets, valid) / n_targets
             loss.backward()
@@ -123,7 +123,7 @@ class EarlyStoppingTrainer(Trainer):
             if not len(batch["tokens"]):
                 continue
             with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule,
+                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt,
                                    want_logits=True)
             loss_sum += float(out.loss_sum)
             n_targets += int(out.n_targets)

@@ -22,7 +22,7 @@ import torch
 
 from rlt_scale.data.config import DataConfig
 from rlt_scale.data.loader import StreamingLoader
-from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.training.bptt import BPTT, run_sequence
 
 Predictor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``predict(tokens, doc_ids, loss_mask) -> logits [B, V]`` of the answer-predicting position."""
@@ -95,13 +95,13 @@ def evaluate_path(predict: Predictor, path: str, answer_tokens: Optional[Sequenc
     return evaluate_accuracy(predict, batches_of(path, batch_size), answer_tokens, max_samples)
 
 
-def rlt_predictor(model, schedule: Schedule = Schedule(), device: Optional[torch.device] = None) -> Predictor:
+def rlt_predictor(model, bptt: BPTT = BPTT(), device: Optional[torch.device] = None) -> Predictor:
     """The RLT's teacher-forced logits at the answer-predicting position (``run_sequence``, position T-1)."""
     device = device or next(model.parameters()).device
 
     def predict(tokens, doc, mask):
         model.eval()
-        out = run_sequence(model, tokens.to(device), doc.to(device), mask.to(device), schedule, want_logits=True)
+        out = run_sequence(model, tokens.to(device), doc.to(device), mask.to(device), bptt, want_logits=True)
         return out.logits[:, -1].float()
 
     return predict

@@ -85,11 +85,14 @@ class RLT(nn.Module):
         ``past`` (generation) holds earlier positions' encoder keys; training
         encodes the whole sample at once with ``past=None``.
         """
+        return self.encoder_layers(self.embed(tokens), pos, doc, range(len(self.encoder)), past)
+
+    def encoder_layers(self, x, pos, doc, layers, past: Optional[list[KV]] = None) -> tuple[torch.Tensor, list[KV]]:
+        """Encoder layers ``layers`` (indices, in order) over ``x``; a pipeline stage runs its own."""
         rope = self.rotary(pos)
-        x = self.embed(tokens)
         keys = []
-        for i, block in enumerate(self.encoder):
-            x, kv = block(x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device))
+        for i in layers:
+            x, kv = self.encoder[i](x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device))
             keys.append(kv)
         return x, keys
 
@@ -98,30 +101,70 @@ class RLT(nn.Module):
         rope = self.rotary(pos)
         return [group(e, rope, pos, doc) for group in self.memory]
 
-    def initial_state(self, batch: int, device) -> DecoderState:
-        d = self.cfg.d_model
+    def initial_feedback(self, batch: int, device) -> torch.Tensor:
+        """``s`` before the first position: the learned ``s*`` (zeros without feedback)."""
         if self.merge is not None:
-            s = self.merge.initial_state.expand(batch, d)
-        else:
-            s = torch.zeros(batch, d, dtype=self.tp.dtype, device=device)
-        return DecoderState(s, [self.empty_kv(batch, device) for _ in self.decoder])
+            return self.merge.initial_state.expand(batch, self.cfg.d_model)
+        return torch.zeros(batch, self.cfg.d_model, dtype=self.tp.dtype, device=device)
+
+    def initial_state(self, batch: int, device) -> DecoderState:
+        return DecoderState(self.initial_feedback(batch, device), [self.empty_kv(batch, device) for _ in self.decoder])
 
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Vocabulary(-parallel) logits; position t predicts token t+1."""
         return self.readout(self.norm_out(z))
 
+    def segment_loss(self, z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of the readout of ``z`` ``[B, S, d]`` over the ``valid`` targets.
+
+        Computed in at least float32 (bf16 logits are widened first).
+        """
+        logits = self.logits(z)
+        loss = self.tp.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
+        return torch.where(valid, loss, torch.zeros_like(loss)).sum()
+
     # ------------------------------------------------------------ the decoder
-    def segments(self, pos: torch.Tensor) -> list[tuple[int, int]]:
-        """Split ``[0, S)`` where any row starts a feedback block (a document start included)."""
-        k, length = self.cfg.feedback_block, pos.shape[1]
-        if k == 0:
-            return [(0, length)]
-        if k == 1:
-            return [(i, i + 1) for i in range(length)]
-        starts = ((pos % k) == 0).any(dim=0)
-        starts[0] = True
-        bounds = starts.nonzero().flatten().tolist() + [length]
-        return list(zip(bounds[:-1], bounds[1:]))
+    def feedback_in(self, e: torch.Tensor, pos: torch.Tensor, carried: torch.Tensor):
+        """``(u, feedback)`` of a segment: its input ``u = merge(e, feedback)`` and the feedback it read.
+
+        The carried ``s`` resets to ``s*`` where a row's segment starts a
+        document. Without feedback (K=0) ``u`` is ``e`` itself.
+        """
+        if self.cfg.feedback_block == 0:
+            return e, carried
+        s_star = self.merge.initial_state.expand_as(carried)
+        feedback = torch.where(pos[:, :1] == 0, s_star, carried)
+        return self.merge(e, feedback), feedback
+
+    def carry(self, z: torch.Tensor, pos: torch.Tensor, feedback: torch.Tensor) -> torch.Tensor:
+        """The ``s`` a segment leaves: its last output where a row's feedback block ends, else unchanged."""
+        if self.cfg.feedback_block == 0:
+            return feedback
+        block_end = ((pos[:, -1:] + 1) % self.cfg.feedback_block) == 0
+        return torch.where(block_end, z[:, -1], feedback)
+
+    def decoder_layers(self, z, pos, doc, caches: dict[int, KV], memory: list[KV], layers,
+                       rope: Optional[Rotary] = None, cross_mask: Optional[torch.Tensor] = None,
+                       window_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[int, KV]]:
+        """One step of decoder layers ``layers`` over a segment: ``z`` and each layer's new cache.
+
+        The one decoder step every path runs: a whole stack in one process,
+        a pipeline stage's share in the ring. ``memory`` is indexed by group;
+        ``rope`` and the masks are derived from ``pos``/``doc`` when not given.
+        """
+        rope = rope if rope is not None else self.rotary(pos)
+        if cross_mask is None:
+            first = memory[self.cfg.memory_group_of(layers[0])]
+            cross_mask = visibility(pos, doc, first.pos, first.doc)
+        if window_mask is None:  # every layer's cache holds the same positions: one mask serves all
+            cached = caches[layers[0]]
+            window_mask = visibility(pos, doc, torch.cat([cached.pos, pos], 1), torch.cat([cached.doc, doc], 1),
+                                     self.cfg.window)
+        out = {}
+        for i in layers:
+            z, out[i] = self.decoder[i](z, rope, pos, doc, caches[i], memory[self.cfg.memory_group_of(i)],
+                                        cross_mask, window_mask)
+        return z, out
 
     def decode_segment(self, e, pos, doc, memory: list[KV], state: DecoderState,
                        rope: Optional[Rotary] = None, cross_mask: Optional[torch.Tensor] = None):
@@ -131,33 +174,17 @@ class RLT(nn.Module):
         builds them once per chunk); they are derived from ``pos``/``doc``
         otherwise.
         """
-        k = self.cfg.feedback_block
-        z = e
-        if self.merge is not None:
-            s_star = self.merge.initial_state.expand_as(state.s)
-            feedback = torch.where((pos[:, :1] == 0), s_star, state.s)
-            z = self.merge(e, feedback)
-        rope = rope if rope is not None else self.rotary(pos)
-        if cross_mask is None:
-            cross_mask = visibility(pos, doc, memory[0].pos, memory[0].doc)
-        # Every layer's cache holds the same positions, so one window mask serves all layers.
-        cached = state.caches[0]
-        window_mask = visibility(pos, doc, torch.cat([cached.pos, pos], 1), torch.cat([cached.doc, doc], 1),
-                                 self.cfg.window)
-        caches = []
-        for i, layer in enumerate(self.decoder):
-            group = memory[self.cfg.memory_group_of(i)]
-            z, cache = layer(z, rope, pos, doc, state.caches[i], group, cross_mask, window_mask)
-            caches.append(cache)
-        s = state.s
-        if self.merge is not None:
-            block_end = ((pos[:, -1:] + 1) % k) == 0
-            s = torch.where(block_end, z[:, -1], feedback)
-        return z, DecoderState(s, caches)
+        u, feedback = self.feedback_in(e, pos, state.s)
+        layers = range(len(self.decoder))
+        z, caches = self.decoder_layers(u, pos, doc, dict(enumerate(state.caches)), memory, layers, rope, cross_mask)
+        return z, DecoderState(self.carry(z, pos, feedback), [caches[i] for i in layers])
 
-    def decode(self, e, pos, doc, memory: list[KV], state: DecoderState, offset: int = 0):
+    def decode(self, e, pos, doc, memory: list[KV], state: DecoderState, offset: int = 0,
+               segments: Optional[list[tuple[int, int]]] = None):
         """Walk the decoder over ``e`` ``[B, S, d]`` carrying ``state``.
 
+        ``segments`` are the chunk's ``[a, b)`` cuts (relative to it, from the
+        batch's segment plan); by default :func:`feedback_segments` of ``pos``.
         ``memory`` holds entries for absolute positions ``0..``; the segment
         ``[a, b)`` of this chunk reads entries ``< offset + b`` (the mask hides
         the rest of the future and other documents). Rotary tables and the
@@ -167,7 +194,7 @@ class RLT(nn.Module):
         rope = self.rotary(pos)
         cross_mask = visibility(pos, doc, memory[0].pos[:, :end], memory[0].doc[:, :end])
         outputs = []
-        for a, b in self.segments(pos):
+        for a, b in segments if segments is not None else feedback_segments(pos, self.cfg.feedback_block):
             mem = [m.first(offset + b) for m in memory]
             z, state = self.decode_segment(
                 e[:, a:b], pos[:, a:b], doc[:, a:b], mem, state, rope.rows(a, b), cross_mask[:, :, a:b, : offset + b]
@@ -191,3 +218,22 @@ class RLT(nn.Module):
         unique = sum(p.numel() for p in self.parameters())
         applied = sum(p.numel() for _, p in self.named_parameters(remove_duplicate=False))
         return {"unique": unique, "applied": applied}
+
+
+def feedback_segments(pos: torch.Tensor, feedback_block: int) -> list[tuple[int, int]]:
+    """Cut ``[0, S)`` into segments of positions that read one feedback vector (DESIGN.md section 1).
+
+    A cut falls wherever any row starts a feedback block of K positions (a
+    document start included): one position per segment for K=1, blocks for
+    K>1, the whole span for K=0. The one place segments are cut; the
+    segment plan of a batch applies it chunk by chunk.
+    """
+    k, length = feedback_block, pos.shape[1]
+    if k == 0:
+        return [(0, length)]
+    if k == 1:
+        return [(i, i + 1) for i in range(length)]
+    starts = ((pos % k) == 0).any(dim=0)
+    starts[0] = True
+    bounds = starts.nonzero().flatten().tolist() + [length]
+    return list(zip(bounds[:-1], bounds[1:]))

@@ -21,8 +21,8 @@ which travel back around the ring. The encoder runs as an ordinary pipeline
 over all positions; its final output is broadcast to every stage, which
 builds the memory groups its decoder layers read.
 
-The trainer's :class:`~rlt_scale.model.recurrence.Schedule` applies here as in
-one process:
+The trainer's :class:`~rlt_scale.training.bptt.BPTT` applies here as in
+one process, through each micro-batch's :class:`~rlt_scale.training.bptt.SegmentPlan`:
 
 * segments never straddle a chunk boundary;
 * chunk activation checkpointing: the forward ring runs without graphs and
@@ -49,8 +49,7 @@ import torch
 import torch.distributed as dist
 
 from rlt_scale.distributed import ParallelContext
-from rlt_scale.model.layers import visibility
-from rlt_scale.model.recurrence import Schedule
+from rlt_scale.training.bptt import BPTT
 from rlt_scale.model.rlt import RLT
 from rlt_scale.model.state import KV
 from rlt_scale.parallel.ring_work import Boundary, MicroBatch, RingStats, SegmentWork, leaf, leaf_kv
@@ -60,8 +59,8 @@ GRAPH, CHECKPOINT, EVAL = "graph", "checkpoint", "eval"
 
 
 class RingPipeline:
-    def __init__(self, model: RLT, plan: StagePlan, ctx: ParallelContext, schedule: Schedule = Schedule()):
-        self.model, self.plan, self.ctx, self.schedule = model, plan, ctx, schedule
+    def __init__(self, model: RLT, plan: StagePlan, ctx: ParallelContext, bptt: BPTT = BPTT()):
+        self.model, self.plan, self.ctx, self.bptt = model, plan, ctx, bptt
         ranks = ctx.pp_ranks
         self.next_rank = ranks[(plan.stage + 1) % plan.n_stages]
         self.prev_rank = ranks[(plan.stage - 1) % plan.n_stages]
@@ -100,7 +99,7 @@ class RingPipeline:
         self.stats.wait_s += time.perf_counter() - start
         return buf
 
-    def _schedule(self, micro: list[MicroBatch]):
+    def _tick_order(self, micro: list[MicroBatch]):
         """(tick, micro-batch index, segment index) of this stage's work, in tick order."""
         n, stage = self.plan.n_stages, self.plan.stage
         period = max(len(micro), n)
@@ -125,9 +124,7 @@ class RingPipeline:
         else:
             mb.enc_in = leaf(self._recv((b, length, d), model.tp.dtype, self.prev_rank))
             x = mb.enc_in
-        rope = model.rotary(mb.pos)
-        for i in plan.encoder_layers:
-            x, _ = model.encoder[i](x, rope, mb.pos, mb.doc, model.empty_kv(b, x.device))
+        x, _ = model.encoder_layers(x, mb.pos, mb.doc, plan.encoder_layers)
         mb.enc_out = x
         if not plan.last:
             self._send(x, self.next_rank, pending)
@@ -136,20 +133,12 @@ class RingPipeline:
             e = x.detach().clone()
         dist.broadcast(e, self.last_rank, group=self.ctx.pp_group)
         mb.e = leaf(e)
+        rope = model.rotary(mb.pos)
         for g in plan.memory_groups:
             # A replica's gradient reaches e through its owner only (see _encoder_backward).
             source = mb.e if self.owns[g] else mb.e.detach()
             mb.memory[g] = model.memory[g](source, rope, mb.pos, mb.doc)
             mb.memory_leaves[g] = leaf_kv(mb.memory[g])
-
-    def _merge(self, mb: MicroBatch, t: int, carried: torch.Tensor):
-        """(u, feedback) for segment t: feedback resets to s_* at a document start."""
-        a, b = mb.segments[t]
-        if self.model.merge is None or self.model.cfg.feedback_block == 0:
-            return mb.e[:, a:b], carried
-        s_star = self.model.merge.initial_state.expand_as(carried)
-        feedback = torch.where(mb.pos[:, a:a + 1] == 0, s_star, carried)
-        return self.model.merge(mb.e[:, a:b], feedback), feedback
 
     def _run_segment(self, mb: MicroBatch, t: int, z_in: torch.Tensor, caches_in: dict[int, KV],
                      f_in) -> SegmentWork:
@@ -157,30 +146,26 @@ class RingPipeline:
 
         Pure computation from the given leaves; the caller communicates.
         """
-        model, plan, schedule = self.model, self.plan, self.schedule
+        model, plan, detach = self.model, self.plan, self.bptt.detach
         a, b = mb.segments[t]
         pos, doc = mb.pos[:, a:b], mb.doc[:, a:b]
-        rope = model.rotary(pos)
-        cross_mask = visibility(pos, doc, mb.pos[:, :b], mb.doc[:, :b])
-        memory_cut = schedule.truncation_start(a) if "memory" in schedule.detach else 0
-        z, caches_out = z_in, {}
-        for i in plan.decoder_layers:
-            memory = mb.memory_leaves[model.cfg.memory_group_of(i)].first(b).detach_before(memory_cut)
-            z, caches_out[i] = model.decoder[i](z, rope, pos, doc, caches_in[i], memory, cross_mask)
+        memory_cut = mb.plan.truncation_start(t) if "memory" in detach else 0
+        memory = {g: kv.first(b).detach_before(memory_cut) for g, kv in mb.memory_leaves.items()}
+        z, caches_out = model.decoder_layers(z_in, pos, doc, caches_in, memory, plan.decoder_layers)
         work = SegmentWork(z_in, caches_in, caches_out, z)
         if plan.last:
-            logits = model.logits(z)
-            ce = model.tp.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), mb.targets[:, a:b])
-            work.loss = torch.where(mb.valid[:, a:b], ce, torch.zeros_like(ce)).sum()
+            work.loss = model.segment_loss(z, mb.targets[:, a:b], mb.valid[:, a:b])
             work.f_in = f_in
-            k = model.cfg.feedback_block
-            block_end = ((pos[:, -1:] + 1) % max(k, 1)) == 0
-            carried = torch.where(block_end, z[:, -1], f_in) if k else f_in
+            carried = model.carry(z, pos, f_in)
             if t + 1 < len(mb.segments):
-                if "s" in schedule.detach and schedule.truncates_at(mb.segments[t + 1][0]):
+                if "s" in detach and mb.plan.starts_truncation(t + 1):
                     carried = carried.detach()
-                work.u_next, work.f_next = self._merge(mb, t + 1, carried)
+                work.u_next, work.f_next = self._feedback_in(mb, t + 1, carried)
         return work
+
+    def _feedback_in(self, mb: MicroBatch, t: int, carried: torch.Tensor):
+        a, b = mb.segments[t]
+        return self.model.feedback_in(mb.e[:, a:b], mb.pos[:, a:b], carried)
 
     def _forward_segment(self, mb: MicroBatch, t: int, caches: dict[int, KV], pending: list, mode: str):
         """Receive, run and send segment t; returns the caches it leaves for segment t+1."""
@@ -191,7 +176,7 @@ class RingPipeline:
         f_in = mb.feedback if plan.last else None
         if mode == CHECKPOINT:
             mb.received[t] = z_in
-            if mb.chunk_first[t] == t:
+            if mb.plan.chunk_first(t) == t:
                 mb.boundaries[t] = Boundary(caches, f_in)
         grad = contextlib.nullcontext() if mode == GRAPH else torch.no_grad()
         with grad:
@@ -217,12 +202,10 @@ class RingPipeline:
             self._encoder_forward(mb, pending)
         if plan.last:
             for mb in micro:
-                s0 = (model.merge.initial_state.expand(mb.x.shape[0], -1) if model.merge is not None
-                      else torch.zeros(mb.x.shape[0], model.cfg.d_model, dtype=model.tp.dtype, device=mb.x.device))
-                mb.pre = self._merge(mb, 0, s0)
+                mb.pre = self._feedback_in(mb, 0, model.initial_feedback(mb.x.shape[0], mb.x.device))
                 mb.feedback = mb.pre[1]
                 self._send(mb.pre[0], self.first_rank, pending)
-        order = self._schedule(micro)
+        order = self._tick_order(micro)
         self._ring_start = time.perf_counter()
         caches = {m: {i: model.empty_kv(mb.x.shape[0], mb.x.device) for i in plan.decoder_layers}
                   for m, mb in enumerate(micro)}
@@ -235,7 +218,7 @@ class RingPipeline:
     # ------------------------------------------------------------ backward
     def _recompute_chunk(self, mb: MicroBatch, t: int) -> None:
         """Rebuild the graphs of segment t's chunk, up to t, from the state kept at its start."""
-        first = mb.chunk_first[t]
+        first = mb.plan.chunk_first(t)
         boundary = mb.boundaries.pop(first)
         caches, feedback = boundary.caches, boundary.feedback
         for s in range(first, t + 1):
@@ -245,14 +228,14 @@ class RingPipeline:
             caches, feedback = work.caches_out, work.f_next
 
     def _backward_segment(self, mb: MicroBatch, t: int, loss_scale: float, pending: list) -> None:
-        plan, schedule = self.plan, self.schedule
+        plan = self.plan
         if t not in mb.work:
             self._recompute_chunk(mb, t)
         work = mb.work[t]
         outputs, grads = [], []
         nxt = mb.work.get(t + 1)
-        truncated = nxt is not None and schedule.truncates_at(mb.segments[t + 1][0])
-        if nxt is not None and not (truncated and "cache" in schedule.detach):
+        truncated = nxt is not None and mb.plan.starts_truncation(t + 1)
+        if nxt is not None and not (truncated and "cache" in self.bptt.detach):
             for i, c in work.caches_out.items():
                 for out, lf in ((c.k, nxt.caches_in[i].k), (c.v, nxt.caches_in[i].v)):
                     if lf.grad is not None:
@@ -310,7 +293,7 @@ class RingPipeline:
 
     # ---------------------------------------------------------------- run
     def _micro_batches(self, batches: list[dict]) -> list[MicroBatch]:
-        return [MicroBatch.from_batch(batch, self.model, self.schedule) for batch in batches]
+        return [MicroBatch.from_batch(batch, self.model, self.bptt) for batch in batches]
 
     def _pipeline_loss(self) -> float:
         loss = torch.tensor([self._loss_total if self.plan.last else 0.0], dtype=torch.float64, device=self.ctx.device)
@@ -323,7 +306,7 @@ class RingPipeline:
         Returns the summed loss of these micro-batches (known on every stage).
         """
         micro = self._micro_batches(batches)
-        order = self._forward(micro, CHECKPOINT if self.schedule.checkpoint else GRAPH)
+        order = self._forward(micro, CHECKPOINT if self.bptt.checkpoint else GRAPH)
         pending: list = []
         scale = 1.0 / n_targets
         for _, m, t in reversed(order):

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from rlt_scale.model.layers import document_positions
-from rlt_scale.model.recurrence import Schedule, split_batch
+from rlt_scale.training.bptt import BPTT, SegmentPlan, split_batch
 from rlt_scale.model.rlt import RLT
 from rlt_scale.model.state import KV
 
@@ -55,10 +55,8 @@ class MicroBatch:
     doc: torch.Tensor
     targets: torch.Tensor
     valid: torch.Tensor
-    segments: list[tuple[int, int]]
-    """``[a, b)`` of every segment; segments never straddle a chunk boundary."""
-    chunk_first: list[int]
-    """For every segment, the index of the first segment of its chunk."""
+    plan: SegmentPlan
+    """The batch's chunks, segments and truncation points."""
     enc_in: Optional[torch.Tensor] = None
     enc_out: Optional[torch.Tensor] = None
     e: Optional[torch.Tensor] = None                      # leaf: final encoder output
@@ -70,17 +68,16 @@ class MicroBatch:
     received: dict[int, torch.Tensor] = field(default_factory=dict)  # checkpointing: z_in of every segment
     boundaries: dict[int, Boundary] = field(default_factory=dict)    # checkpointing: state at chunk starts
 
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """``[a, b)`` of every segment; segments never straddle a chunk boundary."""
+        return self.plan.segments
+
     @classmethod
-    def from_batch(cls, batch: dict, model: RLT, schedule: Schedule) -> "MicroBatch":
+    def from_batch(cls, batch: dict, model: RLT, bptt: BPTT) -> "MicroBatch":
         x, doc, targets, valid = split_batch(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
         pos = document_positions(doc)
-        segments, chunk_first = [], []
-        for a, b in schedule.chunks(x.shape[1]):
-            first = len(segments)
-            for sa, sb in model.segments(pos[:, a:b]):
-                segments.append((a + sa, a + sb))
-                chunk_first.append(first)
-        return cls(x, pos, doc, targets, valid, segments, chunk_first)
+        return cls(x, pos, doc, targets, valid, SegmentPlan.build(pos, model.cfg.feedback_block, bptt))
 
 
 @dataclass

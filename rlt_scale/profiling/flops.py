@@ -120,29 +120,11 @@ class FlopReport:
         }
 
 
-def decoder_segments(cfg: ModelConfig, work: Workload) -> list[tuple[int, int]]:
-    """Absolute ``[start, end)`` of every decoder segment, as ``RLT.segments`` cuts them.
-
-    Chunks are cut every ``C`` positions; inside a chunk, K=0 runs it whole,
-    K=1 one position at a time, K>1 cuts at multiples of K (and at the chunk
-    start, so a chunk boundary inside a block splits the block).
-    """
-    k, out = cfg.feedback_block, []
-    for a in range(0, work.seq_len, work.chunk):
-        b = min(a + work.chunk, work.seq_len)
-        if k == 0:
-            cuts = [a, b]
-        else:
-            cuts = [a] + [p for p in range(a + 1, b) if p % k == 0] + [b]
-        out.extend(zip(cuts[:-1], cuts[1:]))
-    return out
-
-
 def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
     """(query, key) pairs per sample: useful and executed, for the three attentions."""
     t_len, w = work.seq_len, cfg.window
     window_exec = cross_exec = 0
-    for start, end in decoder_segments(cfg, work):
+    for start, end in work.plan(cfg.feedback_block).segments:
         s = end - start
         window_exec += s * (min(w - 1, start) + s)
         cross_exec += s * end
@@ -196,7 +178,7 @@ def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
         norms(layer, 1)
         linear(layer, "kv", d, 2 * d_tp, vector=ROTARY_PER_ELEM * n_tok * d_tp)
     if cfg.feedback_block:
-        n_seg = len(decoder_segments(cfg, work))
+        n_seg = len(work.plan(cfg.feedback_block).segments)
         norms("merge", 1, positions=bsz * n_seg)
         linear("merge", "gate", 2 * d, d, vector=n_tok * 4 * d)
         linear("merge", "proj", d, d, vector=n_tok * 3 * d)

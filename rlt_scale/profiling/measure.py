@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlt_scale.config import ModelConfig
 from rlt_scale.model import RLT
-from rlt_scale.model.recurrence import run_sequence
+from rlt_scale.training.bptt import run_sequence
 from rlt_scale.profiling import rss
 from rlt_scale.profiling.counting import CountedFlops, count_step_flops, flop_formulas
 from rlt_scale.profiling.scopes import ScopeTracker
@@ -230,7 +230,7 @@ def profile_layers(model: RLT, tokens: torch.Tensor, work: Workload) -> LayerPro
     try:
         with prof:
             with prof.saving():
-                out = run_sequence(model, tokens, schedule=work.schedule())
+                out = run_sequence(model, tokens, bptt=work.bptt())
                 loss = out.loss_sum / out.n_targets.clamp(min=1)
             prof.saved_total, prof.held_total = prof.end_forward()
             loss.backward()
@@ -269,7 +269,7 @@ def measure(model: RLT, cfg: ModelConfig, work: Workload, steps: int = 3, warmup
                           parameters=sum(p.numel() for p in model.parameters()))
 
     def loss():
-        out = run_sequence(model, tokens, schedule=work.schedule())
+        out = run_sequence(model, tokens, bptt=work.bptt())
         return out.loss_sum / out.n_targets.clamp(min=1)
 
     # The first step gives the process-memory peak: later steps reuse memory malloc kept,

@@ -36,7 +36,6 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from rlt_scale.config import ModelConfig
-from rlt_scale.profiling.flops import decoder_segments
 from rlt_scale.profiling.workload import Workload
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
@@ -186,8 +185,9 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
     d_tp, f_tp, h_tp, v_tp = d // tp, f // tp, h // tp, vocab // tp
     p = dtype_bytes
     norm = 2 * d + 1                       # x * rsqrt and the scaled output, plus the rsqrt
-    segments = decoder_segments(cfg, work)
-    chunk_ends = {min(a + work.chunk, t_len) for a in range(0, t_len, work.chunk)}
+    plan = work.plan(cfg.feedback_block)
+    segments = list(zip(plan.segments, plan.chunk_of))
+    chunk_ends = {b for _, b in plan.chunks}
 
     def attention(s: int, keys: int) -> int:
         """One attention over ``s`` queries and ``keys`` keys: q, out, logsumexp, the float mask."""
@@ -212,8 +212,8 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         # [e ; r], the gate, alpha * gate, Ws r and u per position; RMSNorm(s) per segment,
         # whose broadcast over a segment of S > 1 positions is materialised for Ws r.
         per_chunk: dict[int, int] = {}
-        for a, b in segments:
-            c, s = _chunk_of(a, work), b - a
+        for (a, b), c in segments:
+            s = b - a
             per_chunk[c] = per_chunk.get(c, 0) + s * 6 * d + (norm if s == 1 else d + 1 + s * d)
         put("merge", bsz * p * sum(per_chunk.values()), held_ckpt=0,
             recompute=bsz * p * max(per_chunk.values()))
@@ -222,10 +222,10 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         per_tok = 3 * norm + residuals * d + 4 * f_tp
         per_chunk = {}
         boundary = final = 0
-        for a, b in segments:
+        for (a, b), c in segments:
             s, cache = b - a, min(w - 1, a)
             elems = s * per_tok + attention(s, cache + s) + attention(s, b) + (cache + s) * 2 * d_tp
-            per_chunk[_chunk_of(a, work)] = per_chunk.get(_chunk_of(a, work), 0) + elems
+            per_chunk[c] = per_chunk.get(c, 0) + elems
             if b in chunk_ends:
                 # the carried cache is a view of this segment's concatenated keys, with int64 pos/doc
                 boundary += (cache + s) * (2 * d_tp * p + 2 * INDEX_BYTES)
@@ -242,10 +242,6 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         held_ckpt=bsz * t_len * 2 * hd * p + bookkeeping + len(chunk_ends) * s_per,
         recompute=bsz * work.chunk * (hd + d + v_tp) * p)
     return out
-
-
-def _chunk_of(position: int, work: Workload) -> int:
-    return position // work.chunk
 
 
 # ------------------------------------------------------------------- the report

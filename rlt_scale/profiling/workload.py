@@ -15,7 +15,7 @@ import torch
 
 from rlt_scale.config import ModelConfig, ParallelConfig
 from rlt_scale.model import RLT, build_model
-from rlt_scale.model.recurrence import Schedule, run_sequence
+from rlt_scale.training.bptt import BPTT, SegmentPlan, run_sequence
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,19 @@ class Workload:
 
     @property
     def chunk(self) -> int:
-        return self.chunk_size or self.seq_len
+        """The longest chunk's length."""
+        return max(b - a for a, b in self.plan(0).chunks)
 
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
 
-    def schedule(self) -> Schedule:
-        return Schedule(chunk_size=self.chunk_size, checkpoint=self.checkpoint)
+    def bptt(self) -> BPTT:
+        return BPTT(chunk_size=self.chunk_size, checkpoint=self.checkpoint)
+
+    def plan(self, feedback_block: int) -> SegmentPlan:
+        """The segment plan of this workload's samples (one document each) for feedback blocks of K."""
+        return SegmentPlan.single_document(self.seq_len, feedback_block, self.bptt())
 
     def describe(self) -> str:
         ckpt = f", chunks of {self.chunk} checkpointed" if self.checkpoint else (
@@ -67,7 +72,7 @@ def make_tokens(cfg: ModelConfig, work: Workload, seed: int = 0, device=None) ->
 
 def forward_backward(model: RLT, tokens: torch.Tensor, work: Workload) -> float:
     """Loss and gradients of one micro-batch, exactly as ``Trainer.train_step`` computes them."""
-    out = run_sequence(model, tokens, schedule=work.schedule())
+    out = run_sequence(model, tokens, bptt=work.bptt())
     loss = out.loss_sum / out.n_targets.clamp(min=1)
     loss.backward()
     return float(loss.detach())

@@ -22,7 +22,7 @@ from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.distributed import ParallelContext, init_distributed
 from rlt_scale.errors import ConfigError
 from rlt_scale.model import RLT, build_model
-from rlt_scale.model.recurrence import Schedule, count_valid_targets, run_sequence
+from rlt_scale.training.bptt import BPTT, count_valid_targets, run_sequence
 from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.parallel.pipeline import RingPipeline
@@ -100,12 +100,12 @@ class Trainer:
             if loader is not None and loader.vocab_size > cfg.model.vocab_size:
                 raise ConfigError("model.vocab_size", f"data at {loader.index.path} uses {loader.vocab_size} token ids, "
                                                       f"model has {cfg.model.vocab_size}")
-        self.schedule = Schedule.from_trainer(t)
+        self.bptt = BPTT.from_trainer(t)
         self.ring: Optional[RingPipeline] = None
         if self.ctx.pp > 1:
             plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
             self.model: RLT = build_stage(cfg.model, self.ctx.tp_group, plan).to(self.device)
-            self.ring = RingPipeline(self.model, plan, self.ctx, self.schedule)
+            self.ring = RingPipeline(self.model, plan, self.ctx, self.bptt)
         else:
             self.model = build_model(cfg.model, self.ctx.tp_group).to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
@@ -116,7 +116,7 @@ class Trainer:
                 micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
                 grad_clip=cfg.optimizer.grad_clip,
             )
-        self.schedule_lr = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
+        self.lr_schedule = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
         self.rng = RNGState(self.ctx)
         self.model_state = ModelOptimizerState(self.model, self.optimizer, self.ctx, self.zero)
         layout = {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp, "zero_stage": cfg.parallel.zero_stage}
@@ -131,7 +131,7 @@ class Trainer:
     def stateful(self) -> dict:
         """What a checkpoint holds: model + optimizer and RNG sharded, schedule and data position global."""
         return {"model_and_optimizer": self.model_state, "rng": self.rng,
-                "lr_schedule": self.schedule_lr, "data": self.loader}
+                "lr_schedule": self.lr_schedule, "data": self.loader}
 
     def _autocast(self):
         if self.cfg.trainer.precision == "bf16":
@@ -148,7 +148,7 @@ class Trainer:
         print("== effective config ==\n" + config_to_yaml(self.cfg), flush=True)
         print(f"parameters: {counts['unique']:,} unique, {counts['applied']:,} applied "
               f"(tied layers counted per use)", flush=True)
-        print(f"recurrence: {self.schedule.describe()}", flush=True)
+        print(f"recurrence: {self.bptt.describe()}", flush=True)
         print(f"data: {self.loader.samples_per_epoch:,} samples/epoch of {self.loader.seq_len + 1} tokens "
               f"from {self.cfg.data.path}", flush=True)
 
@@ -219,7 +219,7 @@ class Trainer:
         else:
             for i, batch in enumerate(batches):
                 with self._autocast():
-                    out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+                    out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt)
                 self._backward(out.loss_sum / n_targets, last=i == len(batches) - 1)
                 loss_sum += out.loss_sum.detach().double().cpu()
         if self.zero is None:
@@ -234,14 +234,14 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Clip by the global norm over all shards, step, advance the schedule; returns the norm."""
-        lr = self.schedule_lr.apply()
+        lr = self.lr_schedule.apply()
         if self.zero is not None:
             norm = self.zero.step(lr)
         else:
             params = [p for p in self.model.parameters() if p.grad is not None]
             norm = clip_grads(params, self.cfg.optimizer.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
             self.optimizer.step()
-        self.schedule_lr.advance()
+        self.lr_schedule.advance()
         return norm
 
     def train_step(self, batches: list[dict]) -> tuple[float, float]:
@@ -254,7 +254,7 @@ class Trainer:
         if self.ring is not None:
             return self.ring.forward_loss(batches)
         (batch,) = batches
-        out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.schedule)
+        out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt)
         return float(out.loss_sum), float(out.n_targets)
 
     @torch.no_grad()
@@ -282,7 +282,7 @@ class Trainer:
 
         t = self.cfg.trainer
         work = Workload(batch=t.micro_batch_size, seq_len=self.loader.seq_len, chunk_size=t.chunk_size,
-                        checkpoint=self.schedule.checkpoint)
+                        checkpoint=self.bptt.checkpoint)
         report = analytic_flops(self.cfg.model, work)
         return report.model_flops / work.tokens, report.hardware_flops / work.tokens
 
@@ -299,8 +299,8 @@ class Trainer:
                         "lost_steps": max(self._last_logged_step() - self.step, 0)})
         if self.ctx.is_logging_rank:
             (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        if self.schedule.tbptt_chunks:
-            logger.log({"step": self.step, "note": "gradient truncated"}, f"NOTE: {self.schedule.describe()}")
+        if self.bptt.tbptt_chunks:
+            logger.log({"step": self.step, "note": "gradient truncated"}, f"NOTE: {self.bptt.describe()}")
 
         batches: Iterator[dict] = iter(self.loader)
         tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.loader.seq_len * self.ctx.dp

@@ -70,7 +70,7 @@ def main() -> None:
         # save / load round trip, per rank, then one more step both ways
         saved = out_file.parent / f"{out_file.stem}.zero{stage}.rank{ctx.rank}.pt"
         torch.save({"model": trainer.model.state_dict(), "zero": zero.state_dict(),
-                    "lr_schedule": trainer.schedule_lr.state_dict()}, saved)
+                    "lr_schedule": trainer.lr_schedule.state_dict()}, saved)
         extra = [next(batches) for _ in range(t.grad_accum_steps)]
         after = []
         for resumed in (False, True):
@@ -79,7 +79,7 @@ def main() -> None:
                 state = torch.load(saved, map_location="cpu", weights_only=True)
                 trainer.model.load_state_dict(state["model"])
                 zero.load_state_dict(state["zero"])
-                trainer.schedule_lr.load_state_dict(state["lr_schedule"])
+                trainer.lr_schedule.load_state_dict(state["lr_schedule"])
             loss = trainer.forward_backward(extra)
             norm = trainer.optimizer_step()
             after.append((loss, norm, {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}, zero.state_dict()))
