@@ -26,7 +26,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     if ctx.rank == 0:
         tokens = steps * cfg.trainer.grad_accum_steps * cfg.trainer.micro_batch_size * trainer.loader.seq_len
-        stats = trainer.ring.stats if trainer.ring else None
+        stats = trainer.engine.ring.stats if hasattr(trainer.engine, "ring") else None
         print(json.dumps({
             "pp": ctx.pp, "m": cfg.trainer.grad_accum_steps, "tokens_per_s": tokens / elapsed,
             "ticks": stats.ticks if stats else None,

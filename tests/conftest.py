@@ -1,5 +1,6 @@
-"""Shared fixtures: a one-process world (megatron's layers need process groups)
-and a factory for tiny float64 models."""
+"""Shared fixtures: a one-process world (megatron's layers need process groups),
+a factory for tiny float64 models, and the tiny parity datasets the trainer
+tests share (made once per session; helpers live in ``helpers.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from rlt_scale.config import ModelConfig, ParallelConfig
 from rlt_scale.distributed import init_distributed
+from helpers import parity_dataset
 from rlt_scale.model import build_model
 
 
@@ -38,5 +40,13 @@ def make_model(ctx):
     return make
 
 
-def grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+@pytest.fixture(scope="session")
+def parity_data(tmp_path_factory):
+    """64 training programs of 8 bits, 16 for evaluation (``<dir>/eval``): the in-process trainer tests' data."""
+    return parity_dataset(tmp_path_factory.mktemp("parity"), 64, 8, eval_samples=16)
+
+
+@pytest.fixture(scope="session")
+def layout_data(tmp_path_factory):
+    """96 programs of 9 bits, 16 for evaluation: what the multi-process layout, ZeRO and resharding tests train."""
+    return parity_dataset(tmp_path_factory.mktemp("layout-parity"), 96, 9, eval_samples=16)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import grads
+from helpers import grads
 from rlt_scale.model.layers import document_positions
 from rlt_scale.training.bptt import BPTT, run_sequence, split_batch
 

@@ -10,8 +10,8 @@ import pickle
 import pytest
 import torch
 
+from helpers import tiny_overrides
 from rlt_scale.config import load_config
-from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import CheckpointError, ConfigError
 from rlt_scale.export import load_export, main as export_main
 from rlt_scale.generate import load_for_inference, main as generate_main
@@ -20,20 +20,8 @@ from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def parity_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=64, length=8, seed=0, eval_samples=0)
-    return out
-
-
 def _overrides(data, run_dir, **extra):
-    base = {
-        "data.path": data, "checkpoint.dir": run_dir, "model.d_model": 16, "model.n_heads": 2, "model.window": 4,
-        "model.vocab_size": 260, "trainer.micro_batch_size": 4, "trainer.max_steps": 4, "trainer.eval_interval": 0,
-        "trainer.threads": 1, "logging.wandb_mode": "disabled", "checkpoint.interval": 2, "checkpoint.keep": 3,
-    }
-    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+    return tiny_overrides(data, run_dir, **{"checkpoint.interval": 2, "checkpoint.keep": 3, **extra})
 
 
 @pytest.fixture(scope="module")

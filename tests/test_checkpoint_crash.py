@@ -24,18 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from launch import layout_overrides, torchrun
-from rlt_scale.data.prepare import prepare_task
+from helpers import layout_overrides, torchrun
 from rlt_scale.training.checkpoint import FAULT_ENV, CheckpointManager
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=0)
-    return out
+@pytest.fixture
+def data(layout_data):
+    return layout_data
 
 
 def _run(run_dir: Path, data: Path, steps: int, fault: str | None = None):

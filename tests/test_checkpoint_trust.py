@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import tiny_overrides
 from rlt_scale.config import load_config
-from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import CheckpointError
 from rlt_scale.train import main as train_main
 from rlt_scale.training.checkpoint import CheckpointManager
@@ -26,21 +26,9 @@ from rlt_scale.training.checkpoint_files import file_digest
 from rlt_scale.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def parity_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=64, length=8, seed=0, eval_samples=0)
-    return out
-
-
 def _overrides(data, run_dir, **extra) -> list[str]:
-    base = {
-        "data.path": data, "checkpoint.dir": run_dir, "model.d_model": 16, "model.n_heads": 2, "model.window": 4,
-        "model.vocab_size": 260, "trainer.micro_batch_size": 4, "trainer.max_steps": 6, "trainer.eval_interval": 0,
-        "trainer.threads": 1, "trainer.log_interval": 1, "logging.wandb_mode": "disabled",
-        "checkpoint.interval": 2, "checkpoint.keep": 3,
-    }
-    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+    return tiny_overrides(data, run_dir, **{"trainer.max_steps": 6, "checkpoint.interval": 2, "checkpoint.keep": 3,
+                                            **extra})
 
 
 def _trainer(data, run_dir, ctx, **extra) -> Trainer:

@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from launch import ROOT, free_port, tiny_run_overrides
+from helpers import ROOT, free_port, tiny_run_overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from helpers import parity_dataset, tiny_overrides
 from rlt_scale.config import load_config
-from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import ConfigError
 from rlt_scale.profiling.flops import analytic_flops
 from rlt_scale.profiling.workload import Workload
@@ -15,14 +15,10 @@ from rlt_scale.training.trainer import Trainer
 
 
 def test_records_carry_mfu_and_hfu_from_the_cost_model(tmp_path, ctx):
-    data = tmp_path / "parity"
-    prepare_task("parity", data, num_samples=32, length=6, seed=0, eval_samples=0)
-    cfg = load_config(None, [
-        f"data.path={data}", f"checkpoint.dir={tmp_path / 'run'}", "logging.wandb_mode=disabled",
-        "logging.peak_tflops=0.001", "model.d_model=16", "model.n_heads=2", "model.window=4",
-        "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "trainer.chunk_size=4", "trainer.activation_checkpointing=chunk", "trainer.threads=1",
-    ])
+    data = parity_dataset(tmp_path / "parity", 32, 6)
+    cfg = load_config(None, tiny_overrides(data, tmp_path / "run", **{
+        "logging.peak_tflops": 0.001, "trainer.micro_batch_size": 2, "trainer.max_steps": 2,
+        "trainer.chunk_size": 4, "trainer.activation_checkpointing": "chunk"}))
     trainer = Trainer(cfg, ctx)
     trainer.fit()
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

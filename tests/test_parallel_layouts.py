@@ -17,25 +17,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from launch import layout_overrides, merge_pipeline_stages, torchrun
-from rlt_scale.data.prepare import prepare_task
+from helpers import layout_overrides, merge_pipeline_stages, torchrun
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=16)
-    return out
+@pytest.fixture
+def data(layout_data):
+    return layout_data
 
 
-def _run(tmp_path, data, name, nproc, micro, extra):
+def _run(tmp_path, data, name, nproc, micro, extra, env=None):
     out = tmp_path / f"{name}.pt"
     overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra) + [f"data.eval_path={data}/eval"]
-    torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides)
+    torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides, env=env)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
-    return merge_pipeline_stages(stages, agree=("losses", "norms", "eval_loss", "tp_replicas_agree"))
+    return merge_pipeline_stages(stages, agree=("losses", "norms", "eval_loss", "eval_correct", "tp_replicas_agree"))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,3 +117,21 @@ def test_ring_runs_under_bf16_autocast(tmp_path, data):
     assert abs(fp32["losses"][0] - ref["losses"][0]) > 1e-5 * ref["losses"][0]  # the check can tell
     for name in ref["grads"]:
         assert _rel(ring["grads"][name], ref["grads"][name]) <= 2e-2, name
+
+
+def test_state_tracking_objective_at_pp2_equals_pp1(tmp_path, data):
+    """The experiments' running-state loss and answer accuracy are the loop's plug-ins, so they run
+    in the ring too: PP2 trains and evaluates exactly as one process (float64, 1e-10)."""
+    env = {"RLT_TEST_SUPERVISION": "parity"}
+    schedule = SCHEDULES["K1-ckpt"]
+    ref = _run(tmp_path, data, "st-ref", 1, 4, schedule, env)
+    got = _run(tmp_path, data, "st-pp2", 2, 4, schedule + ["parallel.pp=2"], env)
+    plain = _run(tmp_path, data, "st-plain", 1, 4, schedule)
+    assert abs(plain["losses"][0] - ref["losses"][0]) > 1e-3 * ref["losses"][0]  # the objective did change the loss
+    for a, b in zip(got["losses"] + got["norms"], ref["losses"] + ref["norms"]):
+        assert abs(a - b) <= 1e-10 * abs(b)
+    assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-10 * ref["eval_loss"]
+    assert got["eval_correct"] == ref["eval_correct"] and ref["eval_correct"] > 0
+    for name in ref["grads"]:
+        assert _rel(got["grads"][name], ref["grads"][name]) <= 1e-10, name
+        assert _rel(got["params"][name], ref["params"][name]) <= 1e-10, name

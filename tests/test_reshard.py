@@ -43,8 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import layout_overrides, torchrun
-from rlt_scale.data.prepare import prepare_task
+from helpers import layout_overrides, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -70,11 +69,9 @@ CASES = {  # (A, B): (loss tolerance, parameter tolerance); 0 = bit-identical
 SAVED_STEP = 2
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=0)
-    return out
+@pytest.fixture
+def data(layout_data):
+    return layout_data
 
 
 def _launch(layout: str, run_dir: Path, data: Path) -> tuple[dict, str]:

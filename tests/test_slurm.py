@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import ROOT, tiny_run_overrides as _overrides
+from helpers import ROOT, tiny_run_overrides as _overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow

@@ -8,31 +8,19 @@ import json
 import pytest
 import torch
 
+from helpers import tiny_overrides
 from rlt_scale.config import load_config
-from rlt_scale.data.prepare import prepare_task
 from rlt_scale.generate import load_for_inference, main as generate_main
 from rlt_scale.train import main as train_main
 from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def parity_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=64, length=8, seed=0, eval_samples=16)
-    return out
-
-
 def _config(data, run_dir, **extra):
-    overrides = [
-        f"data.path={data}", f"data.eval_path={data}/eval", f"checkpoint.dir={run_dir}",
-        "model.d_model=16", "model.n_heads=2", "model.window=4", "model.vocab_size=260",
-        "trainer.micro_batch_size=4", "trainer.grad_accum_steps=2", "trainer.chunk_size=4",
-        "trainer.activation_checkpointing=chunk", "trainer.log_interval=1", "trainer.eval_interval=2",
-        "trainer.eval_batches=2", "trainer.threads=1", "optimizer.warmup_steps=2", "logging.wandb_mode=disabled",
-        "checkpoint.interval=2",
-    ]
-    return load_config(None, overrides + [f"{k}={v}" for k, v in extra.items()])
+    return load_config(None, tiny_overrides(data, run_dir, **{
+        "data.eval_path": f"{data}/eval", "trainer.grad_accum_steps": 2, "trainer.chunk_size": 4,
+        "trainer.activation_checkpointing": "chunk", "trainer.eval_interval": 2, "trainer.eval_batches": 2,
+        "optimizer.warmup_steps": 2, "checkpoint.interval": 2, **extra}))
 
 
 def _params(model):

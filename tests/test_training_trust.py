@@ -10,29 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import tiny_overrides
 from rlt_scale.config import load_config
-from rlt_scale.data.prepare import prepare_task
 from rlt_scale.errors import ConfigError, DataError
 from rlt_scale.training.bptt import run_sequence, valid_targets
 from rlt_scale.train import main as train_main
 from rlt_scale.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def parity_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=64, length=8, seed=0, eval_samples=0)
-    return out
-
-
 def _overrides(data, run_dir, **extra) -> list[str]:
-    base = {
-        "data.path": data, "checkpoint.dir": run_dir, "model.d_model": 16, "model.n_heads": 2, "model.window": 4,
-        "model.vocab_size": 260, "model.params_dtype": "float64", "trainer.precision": "fp64",
-        "trainer.micro_batch_size": 3, "trainer.max_steps": 2, "trainer.eval_interval": 0, "trainer.threads": 1,
-        "trainer.log_interval": 1, "logging.wandb_mode": "disabled",
-    }
-    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+    return tiny_overrides(data, run_dir, **{"model.params_dtype": "float64", "trainer.precision": "fp64",
+                                            "trainer.micro_batch_size": 3, "trainer.max_steps": 2, **extra})
 
 
 def _packed_batch(seed: int = 0) -> dict:
@@ -60,33 +48,29 @@ def test_training_loss_is_the_mean_over_valid_targets_and_equals_the_eval_loss(p
     expected = float(per_target[valid.flatten()].sum()) / int(valid.sum())
 
     train_loss = trainer.forward_backward([batch])
-    with torch.no_grad():
-        eval_sum, eval_count = trainer._forward_loss([batch])
+    sums = trainer.engine.forward_loss([batch])
+    eval_sum, eval_count = sums.loss, sums.targets
     # float64 throughout: the three are the same sum in a different order (rounding ~1e-16 per op)
     assert math.isclose(train_loss, expected, rel_tol=1e-12)
     assert math.isclose(train_loss, eval_sum / eval_count, rel_tol=1e-12)
     assert eval_count == int(valid.sum())
 
 
-def test_baseline_training_loss_is_the_mean_over_the_same_valid_targets(parity_data, tmp_path):
-    from rlt_scale.experiments.baselines import BaselineConfig, BaselineTrainer
+def test_baseline_training_loss_is_the_mean_over_the_same_valid_targets(parity_data, tmp_path, ctx):
+    from rlt_scale.experiments.baselines import BaselineConfig, build_baseline
 
     cfg = load_config(None, _overrides(parity_data, tmp_path / "base", **{
-        "model.params_dtype": "float32", "trainer.precision": "fp32", "trainer.max_steps": 1}))
-    trainer = BaselineTrainer(BaselineConfig(kind="gru", vocab_size=260, d_model=16, n_layers=1), cfg)
+        "model.params_dtype": "float32", "trainer.precision": "fp32"}))
+    model = build_baseline(BaselineConfig(kind="gru", vocab_size=260, d_model=16, n_layers=1))
+    trainer = Trainer(cfg, ctx, model=model)  # the same loop and engine as the RLT
     batch = _packed_batch(1)
+    valid = valid_targets(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
+    assert int(valid.sum()) == 28
     with torch.no_grad():
-        loss_sum, count = trainer.loss_sum(batch)
-    assert count == int(valid_targets(batch["tokens"], batch["doc_ids"], batch["loss_mask"]).sum()) == 28
-    class OneBatch:  # the step trains on this packed batch
-        seq_len = 12
-
-        def __iter__(self):
-            return iter(lambda: batch, None)
-
-    trainer.loader = OneBatch()
-    summary = trainer.fit()
-    assert math.isclose(summary.first_loss, float(loss_sum) / count, rel_tol=1e-6)  # float32 sums
+        per_target = F.cross_entropy(model(batch["tokens"][:, :-1]).flatten(0, 1), batch["tokens"][:, 1:].flatten(),
+                                     reduction="none")
+    expected = float(per_target[valid.flatten()].sum()) / 28
+    assert math.isclose(trainer.forward_backward([batch]), expected, rel_tol=1e-6)  # float32 sums
 
 
 def test_yaml_syntax_error_is_one_line_naming_file_line_and_column(tmp_path, capsys):
@@ -128,7 +112,7 @@ def test_skipped_samples_are_counted_in_metrics_and_summary(tmp_path, ctx):
 
 @pytest.mark.slow
 def test_torchrun_prints_one_summary_with_global_figures(parity_data, tmp_path):
-    from launch import tiny_run_overrides, torchrun
+    from helpers import tiny_run_overrides, torchrun
 
     run = tmp_path / "run"
     proc = torchrun("rlt_scale/train.py", 2, ["configs/tiny.yaml"] + tiny_run_overrides(parity_data, run, 2),

@@ -40,18 +40,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import layout_overrides, merge_pipeline_stages, torchrun
-from rlt_scale.data.prepare import prepare_task
+from helpers import layout_overrides, merge_pipeline_stages, torchrun
 from rlt_scale.errors import ConfigError
 
 LOSS_TOL, NORM_TOL, NORM_CHECK_TOL, GRAD_TOL, PARAM_TOL = 1e-6, 5e-6, 1e-6, 1e-5, 2e-4
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    prepare_task("parity", out, num_samples=96, length=9, seed=0, eval_samples=0)
-    return out
+@pytest.fixture
+def data(layout_data):
+    return layout_data
 
 
 def _overrides(tmp_path: Path, data: Path, name: str, micro: int, extra: list[str]) -> list[str]:

@@ -10,37 +10,27 @@
 Both map ``tokens [B, T]`` to logits ``[B, T, V]`` (position t predicts token
 t+1), like the RLT's teacher-forced forward.
 
-:class:`BaselineTrainer` trains them on exactly what the RLT's
-:class:`~rlt_scale.training.trainer.Trainer` sees: the same
-:class:`~rlt_scale.data.loader.StreamingLoader` stream (``data:`` section),
-the same AdamW groups (:func:`~rlt_scale.training.optim.build_optimizer`),
-the same warmup + cosine schedule (:func:`~rlt_scale.training.optim.lr_at`),
-the same loss (mean cross-entropy over loss-masked targets), gradient
-clipping, and the same early-stopping hook. The ``model:`` section of the
-run config is ignored; the baseline's shape is a :class:`BaselineConfig`.
+:func:`build_baseline` makes one; the experiments hand it to the RLT's own
+:class:`~rlt_scale.training.trainer.Trainer` (``Trainer(cfg, model=...)``),
+so a baseline trains on exactly what the RLT sees: the same data stream, AdamW
+groups, learning-rate schedule, loss, clipping, checkpoints and early-stopping
+callback. The ``model:`` section of the run config is ignored; the baseline's
+shape is a :class:`BaselineConfig`.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Callable, Optional
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from rlt_scale.config import Config, ModelConfig, ParallelConfig, config_to_yaml
-from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.config import ModelConfig, ParallelConfig
 from rlt_scale.errors import ConfigError
-from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
 from rlt_scale.model.blocks import EncoderBlock
 from rlt_scale.model.layers import RMSNorm, Rotary
-from rlt_scale.training.bptt import count_valid_targets, valid_targets
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
-from rlt_scale.training.optim import build_optimizer, lr_at
 
 BASELINE_KINDS = ("transformer", "gru")
 
@@ -90,7 +80,15 @@ class BaselineConfig:
         return cfg
 
 
-class CausalTransformer(nn.Module):
+class _Counted:
+    """``parameter_counts()`` as the RLT has it (a baseline ties nothing: applied = unique)."""
+
+    def parameter_counts(self) -> dict[str, int]:
+        n = count_parameters(self)
+        return {"unique": n, "applied": n}
+
+
+class CausalTransformer(_Counted, nn.Module):
     """Embedding, ``n_layers`` causal rotary :class:`EncoderBlock` s, RMSNorm, readout."""
 
     def __init__(self, cfg: BaselineConfig, tp: TensorParallel):
@@ -124,7 +122,7 @@ class CausalTransformer(nn.Module):
         return seq_len * per_token + attention
 
 
-class GRUBaseline(nn.Module):
+class GRUBaseline(_Counted, nn.Module):
     """Embedding, ``torch.nn.GRU`` (``n_layers`` stacked, hidden ``d_model``), RMSNorm, readout."""
 
     def __init__(self, cfg: BaselineConfig):
@@ -163,109 +161,3 @@ def build_baseline(cfg: BaselineConfig, tp_group=None) -> nn.Module:
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
-
-EvalHook = Callable[[int, nn.Module], tuple[Optional[float], bool]]
-"""``hook(step, model) -> (validation loss or None, stop?)``, called every ``trainer.eval_interval`` steps."""
-
-
-@dataclass
-class BaselineSummary:
-    steps: int
-    first_loss: Optional[float]
-    last_loss: Optional[float]
-    tokens_per_s: float
-    parameters: int
-
-
-class BaselineTrainer:
-    """The RLT trainer's loop for a baseline: same data stream, AdamW groups, schedule, loss and clipping.
-
-    Single process, no checkpoint resume (runs are short); the final weights are
-    saved to ``checkpoint.dir/baseline.pt`` and the metrics to ``metrics.jsonl``.
-    """
-
-    def __init__(self, bcfg: BaselineConfig, cfg: Config, eval_hook: Optional[EvalHook] = None,
-                 targets: Optional[TargetFn] = None):
-        self.bcfg, self.cfg, self.eval_hook = bcfg.validate(), cfg, eval_hook
-        self.targets = targets  # None: the data's own next-token targets (supervision.py)
-        t = cfg.trainer
-        if t.threads:
-            torch.set_num_threads(t.threads)
-        torch.set_flush_denormal(True)
-        torch.manual_seed(t.seed)
-        self.device = torch.device("cpu" if t.device in ("auto", "cpu") and not torch.cuda.is_available()
-                                   or t.device == "cpu" else "cuda")
-        self.run_dir = Path(cfg.checkpoint.dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size)
-        if self.loader.vocab_size > bcfg.vocab_size:
-            raise ConfigError("baseline.vocab_size",
-                              f"data at {cfg.data.path} uses {self.loader.vocab_size} token ids, model has {bcfg.vocab_size}")
-        self.model = build_baseline(bcfg).to(self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.step = 0
-
-    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
-        tokens = batch["tokens"].to(self.device)
-        mask = batch["loss_mask"].to(self.device).bool()
-        doc = batch["doc_ids"].to(self.device)
-        if self.targets is None:
-            targets, valid = tokens[:, 1:], valid_targets(tokens, doc, mask)
-        else:
-            targets, valid = self.targets(tokens)
-        logits = self.model(tokens[:, :-1])
-        return masked_cross_entropy(logits, targets, valid), int(valid.sum())
-
-    def fit(self) -> BaselineSummary:
-        cfg, t = self.cfg, self.cfg.trainer
-        print(f"== baseline {self.bcfg.kind} ==\n{json.dumps(asdict(self.bcfg))}\n" + config_to_yaml(cfg), flush=True)
-        print(f"parameters: {count_parameters(self.model):,}", flush=True)
-        (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg))
-        (self.run_dir / "baseline.json").write_text(json.dumps(asdict(self.bcfg), indent=1))
-        metrics = open(self.run_dir / "metrics.jsonl", "w")
-        batches = iter(self.loader)
-        losses: list[float] = []
-        tokens_per_step = t.micro_batch_size * t.grad_accum_steps * self.loader.seq_len
-        run_time = 0.0
-        while self.step < t.max_steps:
-            start = time.perf_counter()
-            self.model.train()
-            lr = lr_at(self.step, cfg.optimizer, t.max_steps)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            step_batches = [next(batches) for _ in range(t.grad_accum_steps)]
-            if self.targets is None:
-                n_targets = sum(count_valid_targets(b) for b in step_batches)
-            else:
-                n_targets = sum(int(self.targets(b["tokens"])[1].sum()) for b in step_batches)
-            self.optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for batch in step_batches:
-                loss_sum, _ = self.loss_sum(batch)
-                loss = loss_sum / max(n_targets, 1)
-                loss.backward()
-                total += loss.item()
-            clip = cfg.optimizer.grad_clip
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-            self.optimizer.step()
-            self.step += 1
-            losses.append(total)
-            run_time += time.perf_counter() - start
-            if self.step % t.log_interval == 0 or self.step == 1 or self.step == t.max_steps:
-                rec = {"step": self.step, "loss": total, "lr": lr, "grad_norm": float(norm)}
-                metrics.write(json.dumps(rec) + "\n")
-                print(f"step {self.step:>6}/{t.max_steps}  loss {total:.4f}  lr {lr:.2e}  grad-norm {float(norm):.3f}",
-                      flush=True)
-            if self.eval_hook is not None and t.eval_interval and self.step % t.eval_interval == 0:
-                eval_loss, stop = self.eval_hook(self.step, self.model)
-                if eval_loss is not None:
-                    metrics.write(json.dumps({"step": self.step, "eval_loss": eval_loss}) + "\n")
-                if stop:
-                    break
-        metrics.close()
-        torch.save(self.model.state_dict(), self.run_dir / "baseline.pt")
-        return BaselineSummary(
-            steps=self.step, first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
-            tokens_per_s=self.step * tokens_per_step / run_time if run_time else 0.0,
-            parameters=count_parameters(self.model),
-        )

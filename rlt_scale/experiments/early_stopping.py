@@ -1,4 +1,4 @@
-"""Early stopping on validation accuracy, for the RLT's ``Trainer`` and the baselines.
+"""Early stopping on validation accuracy: a callback of the training loop.
 
 :class:`EarlyStopper` keeps the best validation accuracy, the step it was
 reached and a copy of those weights. A run stops when the validation accuracy
@@ -6,29 +6,23 @@ reaches ``target`` (the task is solved at the training length) or has not
 improved by ``min_delta`` for ``patience`` evaluations; the best weights are
 then restored for the test evaluation.
 
-:class:`EarlyStoppingTrainer` is the ordinary :class:`~rlt_scale.training.trainer.Trainer`
-(the ``rlt-train`` path: same loader, optimizer, schedule, checkpoints and
-metrics) whose periodic evaluation on ``data.eval_path`` also measures
-final-state accuracy and, when the stopper says so, ends ``fit()`` at the
-current step (it lowers ``trainer.max_steps`` to the current step, so the
-loop exits and saves its final checkpoint as usual). With a ``targets`` function
-(:mod:`rlt_scale.experiments.supervision`) it trains on those targets instead of
-the data's next-token targets; evaluation is unchanged.
+:meth:`EarlyStopper.callback` plugs it into the ordinary
+:class:`~rlt_scale.training.trainer.Trainer` (the ``rlt-train`` loop, on any
+layout): after each evaluation on ``data.eval_path`` the loop hands it the
+global loss and answer accuracy, and ends ``fit()`` (with its final
+checkpoint) when it says stop. Every rank sees the same sums, so every rank
+stops at the same step; under pipeline parallelism each stage keeps the best
+weights of its own layers.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
-
-from rlt_scale.config import Config
-from rlt_scale.experiments.evaluate import Accuracy, batches_of, predictions
-from rlt_scale.experiments.supervision import TargetFn, masked_cross_entropy
-from rlt_scale.training.bptt import run_sequence
-from rlt_scale.training.trainer import Trainer
 
 
 def _snapshot(model: torch.nn.Module) -> dict:
@@ -70,71 +64,21 @@ class EarlyStopper:
         if self.best_state is not None:
             model.load_state_dict(self.best_state)
 
+    def callback(self, log_file: Optional[Path] = None, log: Callable = print):
+        """A :data:`~rlt_scale.training.trainer.EvalCallback`: update on each evaluation's accuracy.
 
-class EarlyStoppingTrainer(Trainer):
-    """``Trainer`` whose evaluation on ``data.eval_path`` also drives early stopping on accuracy.
+        Rank 0 appends the step's record to ``log_file`` (``val.jsonl``) and logs a line.
+        """
 
-    The evaluation reads up to ``val_samples`` samples of the validation set
-    once (loss and final-state accuracy in one pass) and returns the loss, so
-    ``metrics.jsonl`` keeps its ``eval_loss`` records; the accuracy goes to
-    ``val.jsonl`` in the run directory.
-    """
+        def on_evaluate(trainer, step: int, sums) -> bool:
+            stop = self.update(step, sums.accuracy, trainer.model)
+            if trainer.ctx.is_logging_rank:
+                if log_file is not None:
+                    with open(log_file, "a") as f:
+                        f.write(json.dumps({"step": step, "val_acc": sums.accuracy, "val_samples": int(sums.targets),
+                                            "best_acc": self.best_acc, "stop": stop}) + "\n")
+                log(f"step {step:>6}  val acc {sums.accuracy:.4f} (best {self.best_acc:.4f} at {self.best_step})"
+                    f"{'  -> early stop' if stop else ''}")
+            return stop
 
-    def __init__(self, cfg: Config, stopper: EarlyStopper, answer_tokens: Optional[Sequence[int]] = None,
-                 val_samples: int = 512, val_batch_size: int = 256, targets: Optional[TargetFn] = None):
-        super().__init__(cfg)
-        self.stopper, self.answer_tokens = stopper, answer_tokens
-        self.val_samples, self.val_batch_size = val_samples, val_batch_size
-        self.targets = targets
-
-    def forward_backward(self, batches: list[dict]) -> float:
-        """The ordinary step, or with ``targets``: the mean loss over those targets (one process only)."""
-        if self.targets is None:
-            return super().forward_backward(batches)
-        if self.ctx.world_size != 1 or self.zero is not None:
-            raise NotImplementedError("task-specific targets are a single-process experiment feature")
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        pairs = [self.targets(b["tokens"]) for b in batches]
-        n_targets = max(sum(int(valid.sum()) for _, valid in pairs), 1)
-        total = 0.0
-        for batch, (targets, valid) in zip(batches, pairs):
-            with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt,
-                                   want_logits=True)
-            loss = masked_cross_entropy(out.logits, targets, valid) / n_targets
-            loss.backward()
-            total += loss.item()
-        return total
-
-    @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
-        path = self.cfg.data.eval_path
-        if not path:
-            return None
-        self.model.eval()
-        loss_sum, n_targets, acc = 0.0, 0, Accuracy(0, 0)
-        for batch in batches_of(path, self.val_batch_size):
-            if acc.total >= self.val_samples:
-                break
-            batch = {k: v[: self.val_samples - acc.total] for k, v in batch.items()}
-            real = batch["loss_mask"][:, -1].bool()
-            batch = self._to_device({k: v[real] for k, v in batch.items()})
-            if not len(batch["tokens"]):
-                continue
-            with self._autocast():
-                out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt,
-                                   want_logits=True)
-            loss_sum += float(out.loss_sum)
-            n_targets += int(out.n_targets)
-            pred = predictions(out.logits[:, -1].float(), self.answer_tokens)
-            acc = acc + Accuracy(int((pred == batch["tokens"][:, -1]).sum()), len(pred))
-        stop = self.stopper.update(self.step, acc.accuracy, self.model)
-        with open(self.run_dir / "val.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, "val_acc": acc.accuracy, "val_samples": acc.total,
-                                "best_acc": self.stopper.best_acc, "stop": stop}) + "\n")
-        print(f"step {self.step:>6}  val acc {acc.accuracy:.4f} (best {self.stopper.best_acc:.4f} "
-              f"at {self.stopper.best_step}){'  -> early stop' if stop else ''}", flush=True)
-        if stop:
-            self.cfg.trainer.max_steps = self.step  # the fit loop exits and saves its final checkpoint
-        return loss_sum / max(n_targets, 1)
+        return on_evaluate

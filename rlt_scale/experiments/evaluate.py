@@ -22,6 +22,7 @@ import torch
 
 from rlt_scale.data.config import DataConfig
 from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.model.rlt import answer_predictions
 from rlt_scale.training.bptt import BPTT, run_sequence
 
 Predictor = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -52,8 +53,7 @@ def predictions(logits: torch.Tensor, answer_tokens: Optional[Sequence[int]] = N
     """Predicted token id per row of ``logits [B, V]``, restricted to ``answer_tokens`` when given."""
     if answer_tokens is None:
         return logits.argmax(dim=-1)
-    allowed = torch.as_tensor(list(answer_tokens), device=logits.device)
-    return allowed[logits.index_select(-1, allowed).argmax(dim=-1)]
+    return answer_predictions(logits, answer_tokens)
 
 
 def batch_accuracy(predict: Predictor, batch: dict, answer_tokens: Optional[Sequence[int]] = None) -> Accuracy:

@@ -6,9 +6,9 @@ training length. With ``curriculum: [4, 8, 16]`` in the task's protocol, the
 model first trains on 4-operation programs until validation accuracy at 4
 reaches ``curriculum_advance`` (or ``curriculum_steps`` run out), then on 8,
 then 16, and finally at the training length under the protocol's own early
-stopping. Every stage is an ordinary trainer (the ``rlt-train`` ``Trainer`` for
-RLT variants, :class:`BaselineTrainer` for the baselines) on its own data and
-run directory; the weights and the AdamW moments carry over from one stage to
+stopping. Every stage is the ordinary ``rlt-train`` ``Trainer`` (for a baseline
+with the baseline as its model) on its own data and run directory, with the
+early stopper as its evaluation callback; the weights and the AdamW moments carry over from one stage to
 the next, and the learning-rate schedule (warmup + cosine) restarts per stage.
 Stages after the first may take overrides of their own (``curriculum_overrides``):
 restarting at the full peak learning rate can throw a model that has just
@@ -22,13 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
 from omegaconf import OmegaConf
 
 from rlt_scale.config import load_config
-from rlt_scale.experiments.baselines import BaselineConfig, BaselineTrainer
-from rlt_scale.experiments.early_stopping import EarlyStopper, EarlyStoppingTrainer
-from rlt_scale.experiments.evaluate import evaluate_path, module_predictor
-from rlt_scale.experiments.supervision import TargetFn
+from rlt_scale.experiments.baselines import BaselineConfig, build_baseline
+from rlt_scale.experiments.early_stopping import EarlyStopper
+from rlt_scale.experiments.supervision import TargetFn, as_objective_targets
+from rlt_scale.training.bptt import next_token_targets
+from rlt_scale.training.engine import Objective
+from rlt_scale.training.trainer import Trainer
 
 
 
@@ -74,27 +77,27 @@ class Trained:
 
 
 def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper, answers, proto: dict,
-                  val_path: Path, run_dir: Path, targets: Optional[TargetFn], log: Callable = print):
-    """The trainer of one stage: ``Trainer`` (RLT variants) or ``BaselineTrainer``, both stopping on ``stopper``."""
-    if not is_baseline(config_path):
+                  run_dir: Path, targets: Optional[TargetFn], log: Callable = print):
+    """The trainer of one stage, stopping on ``stopper``: an RLT variant, or a baseline as the model.
+
+    Evaluation covers the whole validation split (``proto['val_samples']``) in micro-batches.
+    """
+    baseline = None
+    if is_baseline(config_path):
+        raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
+        baseline = BaselineConfig(**raw.pop("baseline"))
+        cfg = load_config(None, flatten(raw) + overrides)
+    else:
         cfg = load_config(config_path, overrides)
-        return EarlyStoppingTrainer(cfg, stopper, answers, val_samples=proto["val_samples"],
-                                    val_batch_size=proto["eval_batch_size"], targets=targets), cfg
-    raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
-    bcfg = BaselineConfig(**raw.pop("baseline"))
-    cfg = load_config(None, flatten(raw) + overrides)
-
-    def hook(step, net):
-        acc = evaluate_path(module_predictor(net), str(val_path), answers, proto["eval_batch_size"],
-                            max_samples=proto["val_samples"]).accuracy
-        stop = stopper.update(step, acc, net)
-        with open(run_dir / "val.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, "val_acc": acc, "best_acc": stopper.best_acc, "stop": stop}) + "\n")
-        log(f"step {step:>6}  val acc {acc:.4f} (best {stopper.best_acc:.4f} at {stopper.best_step})"
-            f"{'  -> early stop' if stop else ''}")
-        return None, stop
-
-    return BaselineTrainer(bcfg, cfg, hook, targets=targets), cfg
+    cfg.trainer.eval_batches = -(-proto["val_samples"] // cfg.trainer.micro_batch_size)
+    objective = Objective(targets=as_objective_targets(targets) if targets else next_token_targets,
+                          answer_tokens=tuple(answers))
+    callbacks = [stopper.callback(run_dir / "val.jsonl", log)]
+    model = None
+    if baseline is not None:
+        torch.manual_seed(cfg.trainer.seed)
+        model = build_baseline(baseline)
+    return Trainer(cfg, model=model, objective=objective, callbacks=callbacks), cfg
 
 
 def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: list[str], answers,
@@ -111,8 +114,7 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         if len(stages) > 1:
             log(f"-- stage {i + 1}/{len(stages)}: length {stage.length}, up to {stage.max_steps} steps "
                 f"{' '.join(stage.overrides)}")
-        trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto,
-                                     stage.data / "eval", stage_dir, targets, log)
+        trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
         if previous is not None:
             trainer.model.load_state_dict(previous.model.state_dict())
             trainer.optimizer.load_state_dict(previous.optimizer.state_dict())

@@ -18,12 +18,11 @@ What one run is:
    set of ``eval_samples`` fresh programs from an independent seed (addition:
    plus one set per carry chain), all webdataset shards written by
    :func:`rlt_scale.data.prepare.prepare_task`;
-2. training: RLT variants through the ordinary ``rlt-train`` path
+2. training: every model through the ordinary ``rlt-train`` loop
    (:class:`~rlt_scale.training.trainer.Trainer` on the YAML in
    ``configs/experiments/`` plus the overrides printed in the log and stored in
-   the results), the baselines through
-   :class:`~rlt_scale.experiments.baselines.BaselineTrainer` on the same
-   stream; both stop early on validation accuracy and keep the best weights.
+   the results; a baseline is handed to it as the model); each stops early on
+   validation accuracy and keeps the best weights.
    The loss covers the answer only, or the running state too (``supervision``,
    :mod:`~rlt_scale.experiments.supervision`); a curriculum trains shorter
    programs first (:mod:`~rlt_scale.experiments.stages`);

@@ -75,14 +75,13 @@ def addition_targets(tokens: torch.Tensor):
 _RUNNING = {"parity": parity_targets, "five_state": five_state_targets, "addition": addition_targets}
 
 
+def as_objective_targets(fn: TargetFn):
+    """A token-level target function as the training loop's plug-in: ``batch -> (targets, valid)``."""
+    return lambda batch: fn(batch["tokens"])
+
+
 def target_fn(task: str, supervision: str) -> Optional[TargetFn]:
     """The running-state target function of ``task``, or None for the data's own (final answer) targets."""
     if supervision not in SUPERVISIONS:
         raise ValueError(f"supervision must be one of {SUPERVISIONS}, got {supervision!r}")
     return None if supervision == "final" else _RUNNING[task]
-
-
-def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropy over the valid positions of ``logits [B, T, V]``."""
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
-    return (loss * valid.flatten()).sum()

@@ -123,6 +123,20 @@ class RLT(nn.Module):
         loss = self.tp.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets)
         return torch.where(valid, loss, torch.zeros_like(loss)).sum()
 
+    def answer_correct(self, z: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor,
+                       answer_tokens) -> torch.Tensor:
+        """How many valid targets are the most likely of ``answer_tokens`` (a task's answers) at ``z``.
+
+        Only the valid rows are read out, and with tensor parallelism their
+        vocabulary shards are gathered first.
+        """
+        logits = self.logits(z[valid])
+        if self.tp.size > 1:
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+            logits = gather_from_tensor_model_parallel_region(logits)
+        return (answer_predictions(logits, answer_tokens) == targets[valid]).sum()
+
     # ------------------------------------------------------------ the decoder
     def feedback_in(self, e: torch.Tensor, pos: torch.Tensor, carried: torch.Tensor):
         """``(u, feedback)`` of a segment: its input ``u = merge(e, feedback)`` and the feedback it read.
@@ -237,3 +251,9 @@ def feedback_segments(pos: torch.Tensor, feedback_block: int) -> list[tuple[int,
     starts[0] = True
     bounds = starts.nonzero().flatten().tolist() + [length]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def answer_predictions(logits: torch.Tensor, answer_tokens) -> torch.Tensor:
+    """The most likely of ``answer_tokens`` (token ids) for each row of ``logits [N, V]``."""
+    allowed = torch.as_tensor(list(answer_tokens), device=logits.device)
+    return allowed[logits.index_select(-1, allowed).argmax(dim=-1)]

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from rlt_scale.distributed import ParallelContext
-from rlt_scale.training.bptt import BPTT
+from rlt_scale.training.bptt import BPTT, Targets, next_token_targets
 from rlt_scale.model.rlt import RLT
 from rlt_scale.model.state import KV
 from rlt_scale.parallel.ring_work import Boundary, MicroBatch, RingStats, SegmentWork, leaf, leaf_kv
@@ -70,6 +70,8 @@ class RingPipeline:
                      for g in plan.memory_groups}
         self.stats = RingStats(0, 0)
         self._loss_total = 0.0
+        self._correct_total = 0
+        self._answers = None  # evaluation: count right answers among these token ids
         self._ring_start = 0.0
 
     def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
@@ -186,6 +188,10 @@ class RingPipeline:
             self._send(work.z_out, self.next_rank, pending)
         else:
             self._loss_total += float(work.loss)
+            if self._answers is not None:
+                a, b = mb.segments[t]
+                self._correct_total += int(self.model.answer_correct(
+                    work.z_out, mb.targets[:, a:b], mb.valid[:, a:b], self._answers))
             if work.u_next is not None:
                 self._send(work.u_next, self.first_rank, pending)
             mb.feedback = work.f_next
@@ -197,7 +203,7 @@ class RingPipeline:
         """Encoder pipeline, then the forward ring; returns this stage's schedule."""
         model, plan = self.model, self.plan
         pending: list = []
-        self._loss_total = 0.0
+        self._loss_total, self._correct_total = 0.0, 0
         for mb in micro:
             self._encoder_forward(mb, pending)
         if plan.last:
@@ -292,20 +298,24 @@ class RingPipeline:
             self._send(mb.enc_in.grad, self.prev_rank, pending)
 
     # ---------------------------------------------------------------- run
-    def _micro_batches(self, batches: list[dict]) -> list[MicroBatch]:
-        return [MicroBatch.from_batch(batch, self.model, self.bptt) for batch in batches]
+    def _micro_batches(self, batches: list[dict], targets: Targets) -> list[MicroBatch]:
+        return [MicroBatch.from_batch(batch, self.model, self.bptt, targets) for batch in batches]
 
-    def _pipeline_loss(self) -> float:
-        loss = torch.tensor([self._loss_total if self.plan.last else 0.0], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(loss, group=self.ctx.pp_group)
-        return float(loss)
+    def _pipeline_sums(self) -> tuple[float, float]:
+        """(summed loss, right answers) of the last pass, from the last stage to every stage."""
+        last = self.plan.last
+        sums = torch.tensor([self._loss_total if last else 0.0, self._correct_total if last else 0.0],
+                            dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(sums, group=self.ctx.pp_group)
+        return float(sums[0]), float(sums[1])
 
-    def forward_backward(self, batches: list[dict], n_targets: float) -> float:
+    def forward_backward(self, batches: list[dict], n_targets: float, targets: Targets = next_token_targets) -> float:
         """Accumulate gradients of sum(loss) / n_targets over ``batches`` (the micro-batches).
 
-        Returns the summed loss of these micro-batches (known on every stage).
+        ``targets`` says what the loss trains (the data's next tokens by
+        default). Returns the summed loss of these micro-batches (known on every stage).
         """
-        micro = self._micro_batches(batches)
+        micro = self._micro_batches(batches, targets)
         order = self._forward(micro, CHECKPOINT if self.bptt.checkpoint else GRAPH)
         pending: list = []
         scale = 1.0 / n_targets
@@ -321,11 +331,20 @@ class RingPipeline:
         for work in pending:
             work.wait()
         self.stats.wait_s = ring_wait
-        return self._pipeline_loss()
+        return self._pipeline_sums()[0]
 
     @torch.no_grad()
-    def forward_loss(self, batches: list[dict]) -> tuple[float, float]:
-        """(summed loss, number of valid targets) of ``batches``, forward only (evaluation)."""
-        micro = self._micro_batches(batches)
-        self._forward(micro, EVAL)
-        return self._pipeline_loss(), float(sum(int(mb.valid.sum()) for mb in micro))
+    def forward_loss(self, batches: list[dict], targets: Targets = next_token_targets,
+                     answer_tokens=None) -> tuple[float, float, float]:
+        """(summed loss, valid targets, right answers) of ``batches``, forward only (evaluation).
+
+        Right answers are counted only when ``answer_tokens`` are given (else 0).
+        """
+        micro = self._micro_batches(batches, targets)
+        self._answers = answer_tokens
+        try:
+            self._forward(micro, EVAL)
+        finally:
+            self._answers = None
+        loss, correct = self._pipeline_sums()
+        return loss, float(sum(int(mb.valid.sum()) for mb in micro)), correct

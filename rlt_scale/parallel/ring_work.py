@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from rlt_scale.model.layers import document_positions
-from rlt_scale.training.bptt import BPTT, SegmentPlan, split_batch
+from rlt_scale.training.bptt import BPTT, SegmentPlan, Targets, next_token_targets, split_batch
 from rlt_scale.model.rlt import RLT
 from rlt_scale.model.state import KV
 
@@ -74,8 +74,9 @@ class MicroBatch:
         return self.plan.segments
 
     @classmethod
-    def from_batch(cls, batch: dict, model: RLT, bptt: BPTT) -> "MicroBatch":
-        x, doc, targets, valid = split_batch(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
+    def from_batch(cls, batch: dict, model: RLT, bptt: BPTT, targets_of: Targets = next_token_targets) -> "MicroBatch":
+        x, doc, _, _ = split_batch(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
+        targets, valid = targets_of(batch)
         pos = document_positions(doc)
         return cls(x, pos, doc, targets, valid, SegmentPlan.build(pos, model.cfg.feedback_block, bptt))
 

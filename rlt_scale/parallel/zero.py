@@ -36,9 +36,8 @@ are rejected here.
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,12 +46,6 @@ from megatron.core import parallel_state as ps
 from rlt_scale.errors import ConfigError
 from rlt_scale.parallel.shards import gather_full
 
-# Keys of DeepSpeed's ZeRO-1/2 optimizer state dict that hold objects
-# ``torch.load(weights_only=True)`` refuses (see _plain_state / _restore_state).
-_LOSS_SCALER = "loss_scaler"
-_SLICE_MAPPINGS = "param_slice_mappings"
-_ZERO_STAGE = "zero_stage"
-_ENGINE_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
 class MegatronMPU:
@@ -248,67 +241,3 @@ class ZeroDataParallel:
             grad = grad.detach().clone()
             out[name] = gather_full(grad, param, self.ctx.tp_group) if tp_gather else grad
         return out
-
-    # ------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
-        """This rank's partition of the optimizer state (AdamW moments, fp32 master weights), plain types only."""
-        state = dict(self.engine.optimizer.state_dict())
-        scaler = state.pop(_LOSS_SCALER)
-        state.pop(_SLICE_MAPPINGS)  # derived from the layout; rebuilt at init
-        state[_LOSS_SCALER] = {k: v for k, v in vars(scaler).items() if _is_plain(v)}
-        state[_ZERO_STAGE] = int(state[_ZERO_STAGE])
-        state = _plain(state, "zero")
-        state["engine"] = {k: int(getattr(self.engine, k)) for k in _ENGINE_COUNTERS}
-        state["dp"], state["dp_rank"] = self.ctx.dp, self.ctx.dp_rank
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned on this rank (same TP x DP layout and stage)."""
-        state = dict(state)
-        if (state.pop("dp"), state.pop("dp_rank")) != (self.ctx.dp, self.ctx.dp_rank):
-            raise ValueError("ZeRO optimizer state was saved under another data-parallel layout")
-        counters = state.pop("engine")
-        live = self.engine.optimizer.state_dict()
-        if int(state[_ZERO_STAGE]) != int(live[_ZERO_STAGE]):
-            raise ValueError(f"ZeRO optimizer state is stage {state[_ZERO_STAGE]}, this run uses {int(live[_ZERO_STAGE])}")
-        if state["group_paddings"] != live["group_paddings"] or state["partition_count"] != live["partition_count"]:
-            raise ValueError("ZeRO optimizer state was saved with another parameter partitioning")
-        for key, value in state.pop(_LOSS_SCALER).items():
-            setattr(live[_LOSS_SCALER], key, value)
-        state[_LOSS_SCALER] = live[_LOSS_SCALER]
-        state[_SLICE_MAPPINGS] = live[_SLICE_MAPPINGS]
-        state[_ZERO_STAGE] = live[_ZERO_STAGE]
-        # Only this rank's entry is read (rigid, same-DP checkpoint); fp32 master
-        # partitions are restored from the saved copies, not re-derived from the model.
-        self.engine.optimizer.load_state_dict([state] * self.ctx.dp, load_optimizer_states=True,
-                                              load_from_fp32_weights=True)
-        for key, value in counters.items():
-            setattr(self.engine, key, value)
-        self._micro, self._boundary_done = 0, False
-
-
-_PLAIN = (torch.Tensor, int, float, bool, str, type(None))
-
-
-def _is_plain(value: Any) -> bool:
-    if isinstance(value, _PLAIN) and not isinstance(value, enum.Enum):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(_is_plain(k) and _is_plain(v) for k, v in value.items())
-    return False
-
-
-def _plain(value: Any, path: str) -> Any:
-    """``value`` with containers made plain dicts/lists; raises on anything weights_only would refuse."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [_plain(v, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if isinstance(value, tuple) else items
-    if _is_plain(value):
-        return value
-    raise TypeError(f"{path}: {type(value).__name__} in DeepSpeed's optimizer state is not weights_only-loadable")

@@ -80,13 +80,12 @@ def forward_backward(model: RLT, tokens: torch.Tensor, work: Workload) -> float:
 
 def train_step(model: RLT, optimizer: Optional[torch.optim.Optimizer], tokens: torch.Tensor,
                work: Workload, grad_clip: float = 1.0) -> float:
-    """A full optimizer step (zero grad, forward, backward, clip, AdamW), as in training."""
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
-    loss = forward_backward(model, tokens, work)
-    if optimizer is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
+    """A full optimizer step (zero grad, forward, backward, clip, AdamW) through the trainer's engine."""
+    from rlt_scale.distributed import init_distributed
+    from rlt_scale.training.engine import LocalEngine, PlainSync
+
+    ctx = init_distributed(ParallelConfig(), device=tokens.device.type)
+    engine = LocalEngine(model, ctx, PlainSync(model, optimizer, ctx, grad_clip), work.bptt())
+    loss = engine.forward_backward([{"tokens": tokens}])
+    engine.step(optimizer.param_groups[0]["lr"] if optimizer is not None else 0.0)
     return loss

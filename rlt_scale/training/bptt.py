@@ -24,7 +24,7 @@ this module, the ring pipeline and the cost model alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -133,6 +133,16 @@ def count_valid_targets(batch: dict) -> int:
     return int(valid_targets(batch["tokens"], batch.get("doc_ids"), batch.get("loss_mask")).sum())
 
 
+Targets = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
+"""``targets(batch) -> (target ids [B, T], valid [B, T] bool)`` of a ``[B, T+1]`` loader batch: the loss's plug-in."""
+
+
+def next_token_targets(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data's own targets: the next token, where :func:`valid_targets` allows."""
+    tokens = batch["tokens"]
+    return tokens[:, 1:], valid_targets(tokens, batch.get("doc_ids"), batch.get("loss_mask"))
+
+
 def split_batch(tokens, doc_ids=None, loss_mask=None):
     """``[B, T+1]`` sample -> inputs, input doc ids, targets, valid-target mask (:func:`valid_targets`)."""
     doc = torch.zeros_like(tokens) if doc_ids is None else doc_ids
@@ -149,11 +159,14 @@ class SequenceOutput:
     """Decoder state after the last position."""
     logits: Optional[torch.Tensor] = None
     """Teacher-forced logits [B, T, V], only when asked for (never under checkpointing)."""
+    n_correct: Optional[torch.Tensor] = None
+    """Valid targets whose most likely answer token is right, when ``answer_tokens`` were given."""
 
 
-def _chunk_loss(model: RLT, e, pos, doc, memory, state, offset, segments, targets, valid, want_logits):
+def _chunk_loss(model: RLT, e, pos, doc, memory, state, offset, segments, targets, valid, want_logits, answers):
     z, state = model.decode(e, pos, doc, memory, state, offset, segments)
-    return model.segment_loss(z, targets, valid), state, (model.logits(z) if want_logits else None)
+    correct = model.answer_correct(z, targets, valid, answers) if answers is not None else None
+    return model.segment_loss(z, targets, valid), state, (model.logits(z) if want_logits else None), correct
 
 
 def run_sequence(
@@ -163,9 +176,17 @@ def run_sequence(
     loss_mask: Optional[torch.Tensor] = None,
     bptt: BPTT = BPTT(),
     want_logits: bool = False,
+    targets: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    answer_tokens: Optional[Sequence[int]] = None,
 ) -> SequenceOutput:
-    """Loss of a batch of ``[B, T+1]`` token samples under ``bptt``."""
-    x, doc, targets, valid = split_batch(tokens, doc_ids, loss_mask)
+    """Loss of a batch of ``[B, T+1]`` token samples under ``bptt``.
+
+    ``targets`` (ids, valid) replace the data's next-token targets (the
+    experiments' running-state supervision); ``answer_tokens`` also counts the
+    valid targets predicted right (evaluation).
+    """
+    x, doc, targets_in_data, valid = split_batch(tokens, doc_ids, loss_mask)
+    targets, valid = targets if targets is not None else (targets_in_data, valid)
     batch = x.shape[0]
     pos = document_positions(doc)
     plan = SegmentPlan.build(pos, model.cfg.feedback_block, bptt)
@@ -175,6 +196,7 @@ def run_sequence(
     state = model.initial_state(batch, x.device)
 
     total = torch.zeros((), dtype=e.dtype, device=x.device)
+    correct = torch.zeros((), dtype=torch.long, device=x.device) if answer_tokens is not None else None
     all_logits = []
     for c, (a, b) in enumerate(plan.chunks):
         if plan.truncated[c]:
@@ -182,12 +204,14 @@ def run_sequence(
             if "memory" in bptt.detach:
                 visible_memory = [m.detach_before(a) for m in memory]
         args = (model, e[:, a:b], pos[:, a:b], doc[:, a:b], visible_memory, state, a, plan.chunk_segments(c),
-                targets[:, a:b], valid[:, a:b], want_logits and not bptt.checkpoint)
+                targets[:, a:b], valid[:, a:b], want_logits and not bptt.checkpoint, answer_tokens)
         if bptt.checkpoint and torch.is_grad_enabled():
-            loss_sum, state, logits = checkpoint(_chunk_loss, *args, use_reentrant=False)
+            loss_sum, state, logits, right = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
-            loss_sum, state, logits = _chunk_loss(*args)
+            loss_sum, state, logits, right = _chunk_loss(*args)
         total = total + loss_sum
+        if right is not None:
+            correct = correct + right
         if logits is not None:
             all_logits.append(logits)
     return SequenceOutput(
@@ -195,4 +219,5 @@ def run_sequence(
         n_targets=valid.sum(),
         state=state,
         logits=torch.cat(all_logits, dim=1) if all_logits else None,
+        n_correct=correct,
     )

@@ -1,9 +1,12 @@
-"""The single-process training loop.
+"""The training loop: data, learning rate, logging, checkpoints, evaluation, on any layout.
 
 One optimizer step = ``grad_accum_steps`` micro-batches. The loss is the mean
-next-token cross-entropy over every valid target of the step, so the
-micro-batches of a step are read first and their target counts summed before
-any backward pass.
+cross-entropy over every valid target of the step on all data-parallel ranks.
+How the layout computes and applies the gradients (one process, TP x DP, the
+ring pipeline, ZeRO) is the engine's business (:mod:`rlt_scale.training.engine`);
+what is trained is the :class:`~rlt_scale.training.engine.Objective` plug-in.
+``rlt-train``, the state-tracking experiments and their baselines all run
+this one loop.
 """
 
 from __future__ import annotations
@@ -11,9 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -21,62 +23,31 @@ from rlt_scale.config import Config, config_to_dict, config_to_yaml
 from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.distributed import ParallelContext, init_distributed
 from rlt_scale.errors import ConfigError
-from rlt_scale.model import RLT, build_model
-from rlt_scale.training.bptt import BPTT, count_valid_targets, run_sequence
-from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
-from rlt_scale.parallel.grad_norm import clip_grads
-from rlt_scale.parallel.pipeline import RingPipeline
-from rlt_scale.parallel.stages import build_stage, plan_stage
-from rlt_scale.parallel.zero import ZeroDataParallel
+from rlt_scale.parallel.data_parallel import dp_sum
 from rlt_scale.training.checkpoint import CheckpointManager
+from rlt_scale.training.engine import LossSums, Objective, build_engine, rank_model
 from rlt_scale.training.metrics import MetricsLogger
 from rlt_scale.training.optim import LRSchedule, build_optimizer
 from rlt_scale.training.preemption import PreemptionFlag
 from rlt_scale.training.sharded_state import ModelOptimizerState, RNGState
+from rlt_scale.training.summary import TrainSummary
 
-
-@dataclass
-class TrainSummary:
-    steps: int
-    first_loss: Optional[float]
-    last_loss: Optional[float]
-    tokens_per_s: float
-    checkpoint: Optional[str]
-    max_steps: Optional[int] = None
-    eval_loss: Optional[float] = None
-    losses: list[float] = field(default_factory=list)
-    preempted: bool = False
-    skipped_samples: int = 0
-    already_complete: bool = False
-
-    def __str__(self) -> str:
-        if self.already_complete:
-            return (f"== training summary ==\nnothing to do: the run is already complete at step {self.steps} "
-                    f"(trainer.max_steps={self.max_steps}), "
-                    f"checkpoint {self.checkpoint}\n"
-                    f"to train longer, raise trainer.max_steps; to start over, use a new checkpoint.dir, or "
-                    f"checkpoint.resume=false checkpoint.move_aside=true")
-        first = f"{self.first_loss:.4f}" if self.first_loss is not None else "-"
-        last = f"{self.last_loss:.4f}" if self.last_loss is not None else "-"
-        lines = [
-            "== training summary ==",
-            f"steps            {self.steps}",
-            f"loss start/end   {first} -> {last}",
-            f"tokens/s         {self.tokens_per_s:,.0f}",
-            f"checkpoint       {self.checkpoint}",
-        ]
-        if self.skipped_samples:
-            lines.append(f"skipped samples  {self.skipped_samples} (bad data replaced by padding, data.on_error=skip)")
-        if self.preempted:
-            lines.append("stopped early by a preemption signal; rerun the same command to resume")
-        if self.eval_loss is not None:
-            lines.insert(3, f"eval loss        {self.eval_loss:.4f}")
-        return "\n".join(lines)
+EvalCallback = Callable[["Trainer", int, LossSums], bool]
+"""``callback(trainer, step, sums) -> stop?``: called on every rank after each evaluation with
+the global sums (the same everywhere), so every rank takes the same decision."""
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: Optional[ParallelContext] = None):
+    """The loop. ``model`` (optional) is a prebuilt single-stage model (the experiments'
+    baselines); ``objective`` what is trained; ``callbacks`` see every evaluation and may stop the run.
+    """
+
+    def __init__(self, cfg: Config, ctx: Optional[ParallelContext] = None, *, model: Optional[torch.nn.Module] = None,
+                 objective: Objective = Objective(), callbacks: Sequence[EvalCallback] = ()):
         self.cfg = cfg
+        self.objective, self.callbacks = objective, list(callbacks)
+        # Evaluation always scores the data's own targets (the answer, for a task).
+        self.eval_objective = Objective(answer_tokens=objective.answer_tokens)
         self.ctx = ctx or init_distributed(cfg.parallel, cfg.trainer.device)
         self.device = self.ctx.device
         self.run_dir = Path(cfg.checkpoint.dir)
@@ -100,25 +71,16 @@ class Trainer:
             if loader is not None and loader.vocab_size > cfg.model.vocab_size:
                 raise ConfigError("model.vocab_size", f"data at {loader.index.path} uses {loader.vocab_size} token ids, "
                                                       f"model has {cfg.model.vocab_size}")
-        self.bptt = BPTT.from_trainer(t)
-        self.ring: Optional[RingPipeline] = None
-        if self.ctx.pp > 1:
-            plan = plan_stage(cfg.model, self.ctx.pp_rank, self.ctx.pp)
-            self.model: RLT = build_stage(cfg.model, self.ctx.tp_group, plan).to(self.device)
-            self.ring = RingPipeline(self.model, plan, self.ctx, self.bptt)
-        else:
-            self.model = build_model(cfg.model, self.ctx.tp_group).to(self.device)
+        stage = None
+        if model is None:
+            model, stage = rank_model(cfg.model, self.ctx)
+        self.model = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
-        self.zero: Optional[ZeroDataParallel] = None
-        if cfg.parallel.zero_stage:
-            self.zero = ZeroDataParallel(
-                self.model, self.optimizer, self.ctx, zero_stage=cfg.parallel.zero_stage,
-                micro_batch_size=t.micro_batch_size, grad_accum_steps=t.grad_accum_steps,
-                grad_clip=cfg.optimizer.grad_clip,
-            )
+        self.engine = build_engine(cfg, self.ctx, self.model, self.optimizer, self._autocast, stage)
+        self.bptt = self.engine.bptt
         self.lr_schedule = LRSchedule(self.optimizer, cfg.optimizer, t.max_steps)
         self.rng = RNGState(self.ctx)
-        self.model_state = ModelOptimizerState(self.model, self.optimizer, self.ctx, self.zero)
+        self.model_state = ModelOptimizerState(self.model, self.optimizer, self.ctx, self.engine.zero)
         layout = {"tp": self.ctx.tp, "pp": self.ctx.pp, "dp": self.ctx.dp, "zero_stage": cfg.parallel.zero_stage}
         self.checkpoints = CheckpointManager(self.run_dir, keep=cfg.checkpoint.keep, rank=self.ctx.rank,
                                              world_size=self.ctx.world_size, layout=layout,
@@ -144,7 +106,7 @@ class Trainer:
     def announce(self) -> None:
         if not self.ctx.is_logging_rank:
             return
-        counts = self.model.parameter_counts()
+        counts = self.model.parameter_counts()  # every trained model has it (baselines too)
         print("== effective config ==\n" + config_to_yaml(self.cfg), flush=True)
         print(f"parameters: {counts['unique']:,} unique, {counts['applied']:,} applied "
               f"(tied layers counted per use)", flush=True)
@@ -199,48 +161,12 @@ class Trainer:
 
     # ------------------------------------------------------------ the work
     def forward_backward(self, batches: list[dict]) -> float:
-        """Accumulate the gradient of the step's mean loss; returns that loss.
-
-        Each rank divides its loss sum by the number of valid targets of the
-        whole step on all data-parallel ranks, so summing gradients over the
-        ranks gives exactly the single-process gradient.
-        """
-        self.model.train()
-        counts = torch.tensor([sum(count_valid_targets(b) for b in batches)], dtype=torch.float64)
-        n_targets = max(float(dp_sum(counts, self.ctx)[0]), 1.0)
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        if self.zero is None:  # DeepSpeed manages (partitioned) gradients itself
-            self.optimizer.zero_grad(set_to_none=True)
-        if self.ring is not None:
-            # The ring runs many partial backward passes; ZeRO reduces their sum once.
-            # Autocast spans the ring's backward too: chunk recomputation happens there.
-            with self.zero.accumulate() if self.zero is not None else contextlib.nullcontext(), self._autocast():
-                loss_sum += self.ring.forward_backward(batches, n_targets)
-        else:
-            for i, batch in enumerate(batches):
-                with self._autocast():
-                    out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt)
-                self._backward(out.loss_sum / n_targets, last=i == len(batches) - 1)
-                loss_sum += out.loss_sum.detach().double().cpu()
-        if self.zero is None:
-            reduce_gradients(self.model, self.ctx)
-        return float(dp_sum(loss_sum, self.ctx)[0]) / n_targets
-
-    def _backward(self, loss: torch.Tensor, last: bool) -> None:
-        if self.zero is not None:  # DeepSpeed sums over the DP ranks itself
-            self.zero.backward(loss, last=last)
-        else:
-            loss.backward()
+        """Accumulate the gradient of the step's mean loss over this rank's ``batches``; returns that loss."""
+        return self.engine.forward_backward(batches, self.objective)
 
     def optimizer_step(self) -> float:
-        """Clip by the global norm over all shards, step, advance the schedule; returns the norm."""
-        lr = self.lr_schedule.apply()
-        if self.zero is not None:
-            norm = self.zero.step(lr)
-        else:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = clip_grads(params, self.cfg.optimizer.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
-            self.optimizer.step()
+        """Clip by the global norm over all shards, step, advance the LR schedule; returns the norm."""
+        norm = self.engine.step(self.lr_schedule.apply())
         self.lr_schedule.advance()
         return norm
 
@@ -249,29 +175,18 @@ class Trainer:
         loss = self.forward_backward(batches)
         return loss, self.optimizer_step()
 
-    def _forward_loss(self, batches: list[dict]) -> tuple[float, float]:
-        """(summed loss, valid targets) of one forward pass: a ring pass, or one batch in one process."""
-        if self.ring is not None:
-            return self.ring.forward_loss(batches)
-        (batch,) = batches
-        out = run_sequence(self.model, batch["tokens"], batch["doc_ids"], batch["loss_mask"], self.bptt)
-        return float(out.loss_sum), float(out.n_targets)
-
-    @torch.no_grad()
-    def evaluate(self) -> Optional[float]:
+    def evaluate_sums(self) -> Optional[LossSums]:
+        """Loss (and right answers, for a task) over ``trainer.eval_batches`` of the eval set, all ranks."""
         if self.eval_loader is None:
             return None
-        self.model.eval()
         t = self.cfg.trainer
         batches = [self._to_device(b) for _, b in zip(range(t.eval_batches), self.eval_loader.iter_epoch_once())]
-        per_pass = t.grad_accum_steps if self.ring is not None else 1  # the ring takes a step's micro-batches
-        sums = torch.zeros(2, dtype=torch.float64)
-        for i in range(0, len(batches), per_pass):
-            with self._autocast():
-                loss_sum, n_targets = self._forward_loss(batches[i:i + per_pass])
-            sums += torch.tensor([loss_sum, n_targets], dtype=torch.float64)
-        sums = dp_sum(sums, self.ctx)
-        return float(sums[0] / sums[1].clamp(min=1))
+        return self.engine.forward_loss(batches, self.eval_objective)
+
+    def evaluate(self) -> Optional[float]:
+        """The mean eval loss, or None without an eval set."""
+        sums = self.evaluate_sums()
+        return None if sums is None else sums.mean_loss
 
     def flops_per_token(self) -> Optional[tuple[float, float]]:
         """(model, hardware) FLOPs per trained token of the whole model, when MFU is asked for."""
@@ -328,21 +243,28 @@ class Trainer:
                 if flops is not None:
                     record["mfu"] = record["tokens_per_s"] * flops[0] / peak
                     record["hfu"] = record["tokens_per_s"] * flops[1] / peak
-                if self.ring is not None:  # rank 0 is stage 0; its bubble is representative
-                    record["ring_idle"] = self.ring.stats.measured_idle_fraction
-                    record["ring_idle_scheduled"] = self.ring.stats.idle_fraction
+                record.update(self.engine.metrics())
                 logger.log(record, f"step {self.step:>6}/{t.max_steps}  loss {loss:.4f}  lr {record['lr']:.2e}  "
                                    f"grad-norm {norm:.3f}  tokens/s {record['tokens_per_s']:,.0f}")
                 window_start, window_tokens = time.perf_counter(), 0
+            stop = False
             if t.eval_interval and self.step % t.eval_interval == 0:
-                eval_loss = self.evaluate()
-                if eval_loss is not None:
-                    logger.log({"step": self.step, "eval_loss": eval_loss}, f"step {self.step:>6}  eval loss {eval_loss:.4f}")
+                sums = self.evaluate_sums()
+                if sums is not None:
+                    eval_loss = sums.mean_loss
+                    record = {"step": self.step, "eval_loss": eval_loss}
+                    if self.eval_objective.answer_tokens is not None:
+                        record["eval_accuracy"] = sums.accuracy
+                    logger.log(record, f"step {self.step:>6}  eval loss {eval_loss:.4f}")
+                    stop = any([callback(self, self.step, sums) for callback in self.callbacks])
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 ckpt = self.save()
             if preemption.agreed(self.ctx.world_size, self.device):
                 logger.log({"step": self.step, "note": "preempted"},
                            f"{preemption.signal_name or 'signal'} received: checkpointing at step {self.step} and exiting")
+                break
+            if stop:
+                logger.log({"step": self.step, "note": "stopped by a callback"})
                 break
         if ckpt is None or not str(ckpt).endswith(f"{self.step:08d}"):
             ckpt = self.save()

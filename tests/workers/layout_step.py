@@ -4,8 +4,9 @@
 
 The first rank of each pipeline stage writes the step losses, grad norms, the
 stage's full (TP-gathered) gradients of the first step, its full
-parameters after the last step and the evaluation loss (``data.eval_path``)
-to OUT_FILE.stage<N>.
+parameters after the last step and the evaluation loss and right answers
+(``data.eval_path``) to OUT_FILE.stage<N>. ``RLT_TEST_SUPERVISION=parity``
+trains the state-tracking experiments' running-state objective instead.
 """
 
 import sys
@@ -22,7 +23,7 @@ def main() -> None:
 
     cfg = load_config(None, overrides)
     ctx = init_distributed(cfg.parallel, cfg.trainer.device)
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(cfg, ctx, objective=_objective())
     batches = iter(trainer.loader)
     losses, norms, first_grads = [], [], None
     for step in range(cfg.trainer.max_steps):
@@ -32,13 +33,30 @@ def main() -> None:
         norms.append(trainer.optimizer_step())
     params = full_state(trainer.model, ctx.tp_group)
     tp_consistent = _replicated_params_agree(trainer.model, ctx.tp_group)
-    eval_loss = trainer.evaluate()
+    sums = trainer.evaluate_sums()
     if ctx.tp_rank == 0 and ctx.dp_rank == 0:  # one file per pipeline stage
-        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params, "eval_loss": eval_loss,
+        torch.save({"losses": losses, "norms": norms, "grads": first_grads, "params": params,
+                    "eval_loss": sums and sums.mean_loss, "eval_correct": sums and sums.correct,
                     "tp_replicas_agree": tp_consistent},
                    f"{out_file}.stage{ctx.pp_rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _objective():
+    """The trainer's default objective, or with RLT_TEST_SUPERVISION=<task> that task's running-state
+    targets and answer accuracy (the state-tracking experiments' objective)."""
+    import os
+
+    from rlt_scale.training.engine import Objective
+
+    task = os.environ.get("RLT_TEST_SUPERVISION")
+    if not task:
+        return Objective()
+    from rlt_scale.experiments.evaluate import ANSWER_TOKENS
+    from rlt_scale.experiments.supervision import as_objective_targets, target_fn
+
+    return Objective(targets=as_objective_targets(target_fn(task, "running")), answer_tokens=ANSWER_TOKENS[task])
 
 
 def _replicated_params_agree(model, tp_group) -> bool:

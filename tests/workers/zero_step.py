@@ -11,9 +11,9 @@ step to :class:`ZeroDataParallel`.
 The first rank of each pipeline stage writes to OUT_FILE.stage<N>, per ZeRO stage: the step losses and grad norms, the full gradients
 of step 1 (TP gathered) and the global norm of those gradients by
 ``rlt_scale.parallel.grad_norm.global_grad_norm``, the full parameters after
-step 3, and whether a save/load round trip of every rank's adapter state
-(``torch.save`` / ``torch.load(weights_only=True)``) into a fresh trainer and
-adapter resumes step 4 bit-identically (loss, norm, parameters, state).
+step 3, and whether the trainer's own checkpoint (``Trainer.save``, the sharded
+format) resumed into a fresh trainer continues steps 4 and 5 bit-identically
+(losses, norms, parameters).
 """
 
 import sys
@@ -37,8 +37,10 @@ def main() -> None:
     t = base.trainer
 
     def build(stage):
-        trainer = Trainer(load_config(None, overrides + [f"parallel.zero_stage={stage}"]), ctx)
-        return trainer, trainer.zero
+        run_dir = out_file.parent / f"{out_file.stem}-zero{stage}"  # its own checkpoints
+        trainer = Trainer(load_config(None, overrides + [f"parallel.zero_stage={stage}", f"checkpoint.dir={run_dir}"]),
+                          ctx)
+        return trainer, trainer.engine.zero
 
     def check_norm(trainer, zero):
         """global_grad_norm of the adapter's (DP-reduced, TP-local) gradients."""
@@ -67,24 +69,20 @@ def main() -> None:
         params = full_state(trainer.model, ctx.tp_group)
         steps_s = time.perf_counter() - start - init_s
 
-        # save / load round trip, per rank, then one more step both ways
-        saved = out_file.parent / f"{out_file.stem}.zero{stage}.rank{ctx.rank}.pt"
-        torch.save({"model": trainer.model.state_dict(), "zero": zero.state_dict(),
-                    "lr_schedule": trainer.lr_schedule.state_dict()}, saved)
-        extra = [next(batches) for _ in range(t.grad_accum_steps)]
+        # the trainer's checkpoint round trip, then two more steps both ways: both steps
+        # read the restored AdamW moments, so the weights after them match only if those did
+        trainer.step = t.max_steps
+        trainer.save()
+        extra = [[next(batches) for _ in range(t.grad_accum_steps)] for _ in range(2)]
         after = []
         for resumed in (False, True):
             if resumed:
                 trainer, zero = build(stage)
-                state = torch.load(saved, map_location="cpu", weights_only=True)
-                trainer.model.load_state_dict(state["model"])
-                zero.load_state_dict(state["zero"])
-                trainer.lr_schedule.load_state_dict(state["lr_schedule"])
-            loss = trainer.forward_backward(extra)
-            norm = trainer.optimizer_step()
-            after.append((loss, norm, {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}, zero.state_dict()))
-        (l0, n0, p0, s0), (l1, n1, p1, s1) = after
-        same = l0 == l1 and n0 == n1 and all(torch.equal(p0[k], p1[k]) for k in p0) and _equal(s0, s1)
+                trainer.maybe_resume()
+            steps = [(trainer.forward_backward(b), trainer.optimizer_step()) for b in extra]
+            after.append((steps, {k: v.clone() for k, v in trainer.model.state_dict().items() if v is not None}))
+        (s0, p0), (s1, p1) = after
+        same = s0 == s1 and all(torch.equal(p0[k], p1[k]) for k in p0)
         flag = torch.tensor([1 if same else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         results[stage] = {"losses": losses, "norms": norms, "grads": first_grads, "norm_check": first_norm_check,
@@ -94,16 +92,6 @@ def main() -> None:
         torch.save(results, f"{out_file}.stage{ctx.pp_rank}")
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Launch a worker script under torchrun with a hard timeout, for multi-process tests.
+"""What the tests share: tiny data and runs, torchrun launches, merging per-stage results.
 
-A mismatched collective would otherwise block for the process-group timeout;
-the workers use a short one (``parallel.timeout_s``) and the whole launch is
-killed after ``timeout`` seconds, so a deadlock fails a test instead of CI.
+* :func:`parity_dataset` and :func:`tiny_overrides`: the tiny prepared task
+  and the tiny model and run most tests train (``conftest.py`` makes the
+  shared datasets once per session).
+* :func:`torchrun`: a worker script under torchrun with a hard timeout. A
+  mismatched collective would otherwise block for the process-group timeout;
+  the workers use a short one (``parallel.timeout_s``) and the whole launch is
+  killed after ``timeout`` seconds, so a deadlock fails a test instead of CI.
 """
 
 from __future__ import annotations
@@ -15,7 +19,33 @@ from pathlib import Path
 
 import torch
 
+from rlt_scale.data.prepare import prepare_task
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def parity_dataset(out: Path, num_samples: int, length: int, eval_samples: int = 0) -> Path:
+    """A prepared parity task (seed 0) at ``out``; with ``eval_samples``, its eval split at ``out/eval``."""
+    prepare_task("parity", out, num_samples=num_samples, length=length, seed=0, eval_samples=eval_samples)
+    return out
+
+
+def tiny_overrides(data, run_dir, **extra) -> list[str]:
+    """The tiny model and run the in-process and launcher tests train, as ``key=value`` overrides.
+
+    d=16, 2 heads, window 4, micro-batch 4, 4 steps, no evaluation, logging every
+    step; ``extra`` (dotted keys) adds or replaces keys.
+    """
+    base = {
+        "data.path": data, "checkpoint.dir": run_dir, "logging.wandb_mode": "disabled", "model.d_model": 16,
+        "model.n_heads": 2, "model.window": 4, "model.vocab_size": 260, "trainer.micro_batch_size": 4,
+        "trainer.max_steps": 4, "trainer.log_interval": 1, "trainer.eval_interval": 0, "trainer.threads": 1,
+    }
+    return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def free_port() -> int:
@@ -53,13 +83,9 @@ def layout_overrides(data, run_dir, micro: int, dtype: str, extra: list[str]) ->
 
 def tiny_run_overrides(data, run_dir, steps: int, *, interval: int = 2, micro: int = 2,
                        timeout_s: int = 60) -> list[str]:
-    """A tiny model on the prepared parity ``data``, checkpointing every ``interval`` steps: the launcher tests' run."""
-    return [
-        f"data.path={data}", f"checkpoint.dir={run_dir}", "logging.wandb_mode=disabled",
-        "model.d_model=16", "model.n_heads=2", "model.window=4", f"trainer.max_steps={steps}",
-        f"trainer.micro_batch_size={micro}", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "trainer.threads=1", f"parallel.timeout_s={timeout_s}", f"checkpoint.interval={interval}",
-    ]
+    """:func:`tiny_overrides` checkpointing every ``interval`` steps: the launcher tests' run."""
+    return tiny_overrides(data, run_dir, **{"trainer.max_steps": steps, "trainer.micro_batch_size": micro,
+                                            "parallel.timeout_s": timeout_s, "checkpoint.interval": interval})
 
 
 def merge_pipeline_stages(stages: list[dict], agree: tuple[str, ...]) -> dict:
