@@ -5,7 +5,8 @@ Real torchrun jobs (DP2, gloo) and the test-only fault hook
 rank ``os._exit(1)`` at a chosen point of the save of step 4:
 
 * ``during_shards`` -- the last rank dies before writing its shards while
-  rank 0 is inside the collective save;
+  rank 0 is inside the collective save (rank 0 then fails the save with a
+  message that the previous checkpoint is intact, and removes the partial copy);
 * ``after_shards`` -- rank 0 dies after every shard is written, before
   ``meta.json``;
 * ``before_pointer`` -- rank 0 dies after publishing ``step_00000004``, before
@@ -30,7 +31,7 @@ from rlt_scale.training.checkpoint import FAULT_ENV, CheckpointManager
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def data(layout_data):
     return layout_data
 
@@ -70,12 +71,16 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, data, at_step_2, 
     assert manager.latest().name == "step_00000002"  # the previous checkpoint is still the one
     if fault == "before_pointer":
         assert (run_dir / "checkpoints" / "step_00000004" / "meta.json").exists()
+    elif fault == "during_shards":
+        # rank 0 survives the collective's failure: it says so and removes its partial copy
+        assert "saving step 4 to" in crashed.stderr and "previous checkpoint (step_00000002) is intact" in crashed.stderr
+        assert manager.incomplete() == []
     else:
         assert [p.name for p in manager.incomplete()] == ["step_00000004.tmp"]
 
     rerun = _run(run_dir, data, 4)
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000002'} at step 2" in rerun.stdout
-    if fault != "before_pointer":
+    if fault == "after_shards":
         assert "ignoring incomplete checkpoint" in rerun.stdout
     assert manager.latest().name == "step_00000004"
     losses = _losses(run_dir)  # steps 3 and 4 were logged by the crashed run and by the rerun

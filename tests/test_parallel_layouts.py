@@ -22,7 +22,7 @@ from helpers import layout_overrides, merge_pipeline_stages, torchrun
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def data(layout_data):
     return layout_data
 

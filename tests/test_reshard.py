@@ -69,7 +69,7 @@ CASES = {  # (A, B): (loss tolerance, parameter tolerance); 0 = bit-identical
 SAVED_STEP = 2
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def data(layout_data):
     return layout_data
 

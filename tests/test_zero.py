@@ -46,7 +46,7 @@ from rlt_scale.errors import ConfigError
 LOSS_TOL, NORM_TOL, NORM_CHECK_TOL, GRAD_TOL, PARAM_TOL = 1e-6, 5e-6, 1e-6, 1e-5, 2e-4
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def data(layout_data):
     return layout_data
 

@@ -1,13 +1,14 @@
 """The ring pipeline schedule for the recurrent decoder (DESIGN.md section 3).
 
-Token (segment) t+1 can enter stage 0 only after s_t has left the last
-stage, so a 1F1B schedule cannot run the decoder. Here the decoder is a ring:
-the last stage merges s_t with e_{t+1} and sends u_{t+1} to stage 0, and
+Segment n+1 (a token for K=1) can enter stage 0 only after the feedback s
+of segment n has left the last stage, so a 1F1B schedule cannot run the
+decoder. Here the decoder is a ring: the last stage merges that s with the
+encoder output of segment n+1 and sends the merged input u to stage 0, and
 M >= PP micro-batches circulate so that every stage is busy at every tick.
 
-Timeline. With R = max(M, PP), micro-batch m's segment t runs on stage s at
-tick ``t*R + m + s``. Its input was produced at the previous tick (by stage
-s-1), or for stage 0 at tick ``(t-1)*R + m + PP-1 < t*R + m`` by the last
+Timeline. With R = max(M, PP), micro-batch m's segment n runs on stage s at
+tick ``n*R + m + s``. Its input was produced at the previous tick (by stage
+s-1), or for stage 0 at tick ``(n-1)*R + m + PP-1 < n*R + m`` by the last
 stage, so blocking receives never wait on a later tick. Fill and drain cost
 PP-1 ticks per sample, not per micro-batch.
 
@@ -110,9 +111,9 @@ class RingPipeline:
         order = []
         for tick in range(ticks):
             j = tick - stage
-            m, t = j % period, j // period
-            if j >= 0 and m < len(micro) and t < len(micro[m].segments):
-                order.append((tick, m, t))
+            m, n = j % period, j // period
+            if j >= 0 and m < len(micro) and n < len(micro[m].segments):
+                order.append((tick, m, n))
         self.stats = RingStats(ticks, len(order))  # the receive timer restarts here
         return order
 
@@ -142,16 +143,16 @@ class RingPipeline:
             mb.memory[g] = model.memory[g](source, rope, mb.pos, mb.doc)
             mb.memory_leaves[g] = leaf_kv(mb.memory[g])
 
-    def _run_segment(self, mb: MicroBatch, t: int, z_in: torch.Tensor, caches_in: dict[int, KV],
+    def _run_segment(self, mb: MicroBatch, n: int, z_in: torch.Tensor, caches_in: dict[int, KV],
                      f_in) -> SegmentWork:
-        """This stage's decoder layers (and on the last stage the loss and the next merge) for segment t.
+        """This stage's decoder layers (and on the last stage the loss and the next merge) for segment n.
 
         Pure computation from the given leaves; the caller communicates.
         """
         model, plan, detach = self.model, self.plan, self.bptt.detach
-        a, b = mb.segments[t]
+        a, b = mb.segments[n]
         pos, doc = mb.pos[:, a:b], mb.doc[:, a:b]
-        memory_cut = mb.plan.truncation_start(t) if "memory" in detach else 0
+        memory_cut = mb.plan.truncation_start(n) if "memory" in detach else 0
         memory = {g: kv.first(b).detach_before(memory_cut) for g, kv in mb.memory_leaves.items()}
         z, caches_out = model.decoder_layers(z_in, pos, doc, caches_in, memory, plan.decoder_layers)
         work = SegmentWork(z_in, caches_in, caches_out, z)
@@ -159,44 +160,44 @@ class RingPipeline:
             work.loss = model.segment_loss(z, mb.targets[:, a:b], mb.valid[:, a:b])
             work.f_in = f_in
             carried = model.carry(z, pos, f_in)
-            if t + 1 < len(mb.segments):
-                if "s" in detach and mb.plan.starts_truncation(t + 1):
+            if n + 1 < len(mb.segments):
+                if "s" in detach and mb.plan.starts_truncation(n + 1):
                     carried = carried.detach()
-                work.u_next, work.f_next = self._feedback_in(mb, t + 1, carried)
+                work.u_next, work.f_next = self._feedback_in(mb, n + 1, carried)
         return work
 
-    def _feedback_in(self, mb: MicroBatch, t: int, carried: torch.Tensor):
-        a, b = mb.segments[t]
+    def _feedback_in(self, mb: MicroBatch, n: int, carried: torch.Tensor):
+        a, b = mb.segments[n]
         return self.model.feedback_in(mb.e[:, a:b], mb.pos[:, a:b], carried)
 
-    def _forward_segment(self, mb: MicroBatch, t: int, caches: dict[int, KV], pending: list, mode: str):
-        """Receive, run and send segment t; returns the caches it leaves for segment t+1."""
+    def _forward_segment(self, mb: MicroBatch, n: int, caches: dict[int, KV], pending: list, mode: str):
+        """Receive, run and send segment n; returns the caches it leaves for segment n+1."""
         plan = self.plan
-        a, b = mb.segments[t]
+        a, b = mb.segments[n]
         source = self.prev_rank if not plan.first else self.last_rank
         z_in = self._recv((mb.x.shape[0], b - a, self.model.cfg.d_model), self.model.tp.dtype, source)
         f_in = mb.feedback if plan.last else None
         if mode == CHECKPOINT:
-            mb.received[t] = z_in
-            if mb.plan.chunk_first(t) == t:
-                mb.boundaries[t] = Boundary(caches, f_in)
+            mb.received[n] = z_in
+            if mb.plan.chunk_first(n) == n:
+                mb.boundaries[n] = Boundary(caches, f_in)
         grad = contextlib.nullcontext() if mode == GRAPH else torch.no_grad()
         with grad:
-            work = self._run_segment(mb, t, leaf(z_in), {i: leaf_kv(c) for i, c in caches.items()},
+            work = self._run_segment(mb, n, leaf(z_in), {i: leaf_kv(c) for i, c in caches.items()},
                                      leaf(f_in) if plan.last else None)
         if not plan.last:
             self._send(work.z_out, self.next_rank, pending)
         else:
             self._loss_total += float(work.loss)
             if self._answers is not None:
-                a, b = mb.segments[t]
+                a, b = mb.segments[n]
                 self._correct_total += int(self.model.answer_correct(
                     work.z_out, mb.targets[:, a:b], mb.valid[:, a:b], self._answers))
             if work.u_next is not None:
                 self._send(work.u_next, self.first_rank, pending)
             mb.feedback = work.f_next
         if mode == GRAPH:
-            mb.work[t] = work
+            mb.work[n] = work
         return work.caches_out
 
     def _forward(self, micro: list[MicroBatch], mode: str):
@@ -215,32 +216,33 @@ class RingPipeline:
         self._ring_start = time.perf_counter()
         caches = {m: {i: model.empty_kv(mb.x.shape[0], mb.x.device) for i in plan.decoder_layers}
                   for m, mb in enumerate(micro)}
-        for _, m, t in order:
-            caches[m] = self._forward_segment(micro[m], t, caches[m], pending, mode)
+        for _, m, n in order:
+            caches[m] = self._forward_segment(micro[m], n, caches[m], pending, mode)
         for work in pending:
             work.wait()
         return order
 
     # ------------------------------------------------------------ backward
-    def _recompute_chunk(self, mb: MicroBatch, t: int) -> None:
-        """Rebuild the graphs of segment t's chunk, up to t, from the state kept at its start."""
-        first = mb.plan.chunk_first(t)
+    def _recompute_chunk(self, mb: MicroBatch, n: int) -> None:
+        """Rebuild the graphs of segment n's chunk, up to n, from the state kept at its start."""
+        first = mb.plan.chunk_first(n)
         boundary = mb.boundaries.pop(first)
         caches, feedback = boundary.caches, boundary.feedback
-        for s in range(first, t + 1):
-            work = self._run_segment(mb, s, leaf(mb.received.pop(s)), {i: leaf_kv(c) for i, c in caches.items()},
+        for earlier in range(first, n + 1):
+            work = self._run_segment(mb, earlier, leaf(mb.received.pop(earlier)),
+                                     {i: leaf_kv(c) for i, c in caches.items()},
                                      leaf(feedback) if self.plan.last else None)
-            mb.work[s] = work
+            mb.work[earlier] = work
             caches, feedback = work.caches_out, work.f_next
 
-    def _backward_segment(self, mb: MicroBatch, t: int, loss_scale: float, pending: list) -> None:
+    def _backward_segment(self, mb: MicroBatch, n: int, loss_scale: float, pending: list) -> None:
         plan = self.plan
-        if t not in mb.work:
-            self._recompute_chunk(mb, t)
-        work = mb.work[t]
+        if n not in mb.work:
+            self._recompute_chunk(mb, n)
+        work = mb.work[n]
         outputs, grads = [], []
-        nxt = mb.work.get(t + 1)
-        truncated = nxt is not None and mb.plan.starts_truncation(t + 1)
+        nxt = mb.work.get(n + 1)
+        truncated = nxt is not None and mb.plan.starts_truncation(n + 1)
         if nxt is not None and not (truncated and "cache" in self.bptt.detach):
             for i, c in work.caches_out.items():
                 for out, lf in ((c.k, nxt.caches_in[i].k), (c.v, nxt.caches_in[i].v)):
@@ -263,7 +265,7 @@ class RingPipeline:
         target = self.prev_rank if not plan.first else self.last_rank
         self._send(work.z_in.grad, target, pending)
         if nxt is not None:  # the successor's graph is done with; free it
-            del mb.work[t + 1]
+            del mb.work[n + 1]
 
     def _backward_pre(self, mb: MicroBatch) -> None:
         u0, f0 = mb.pre
@@ -319,8 +321,8 @@ class RingPipeline:
         order = self._forward(micro, CHECKPOINT if self.bptt.checkpoint else GRAPH)
         pending: list = []
         scale = 1.0 / n_targets
-        for _, m, t in reversed(order):
-            self._backward_segment(micro[m], t, scale, pending)
+        for _, m, n in reversed(order):
+            self._backward_segment(micro[m], n, scale, pending)
         if self.plan.last:
             for mb in reversed(micro):
                 self._backward_pre(mb)
