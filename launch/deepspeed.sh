@@ -50,4 +50,4 @@ fi
 # shellcheck disable=SC2206
 [[ -n "${DS_ARGS:-}" ]] && args+=($DS_ARGS)
 exec "$PYTHON" -m rlt_scale.launcher deepspeed "${SHUTDOWN_TIMEOUT:-100}" \
-  "$DEEPSPEED" "${args[@]}" --module rlt_scale.train "$@"
+  "$DEEPSPEED" "${args[@]}" --module rlt_scale.cli.train "$@"

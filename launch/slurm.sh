@@ -83,7 +83,7 @@ agent=(
   --shutdown-timeout="${SHUTDOWN_TIMEOUT:-100}"
   ${RDZV_CONF:+"--rdzv-conf=$RDZV_CONF"}
   --tee=3
-  -m rlt_scale.train "$@"
+  -m rlt_scale.cli.train "$@"
 )
 # One agent per node. --kill-on-bad-exit=0 and --no-kill keep the surviving
 # agents running when a node fails, so torchrun can re-form the job on them.

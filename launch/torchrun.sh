@@ -52,4 +52,4 @@ exec "$PYTHON" -m rlt_scale.launcher torchrun \
   --max-restarts="${MAX_RESTARTS:-3}" \
   --shutdown-timeout="${SHUTDOWN_TIMEOUT:-100}" \
   ${RDZV_CONF:+--rdzv-conf="$RDZV_CONF"} \
-  -m rlt_scale.train "$@"
+  -m rlt_scale.cli.train "$@"

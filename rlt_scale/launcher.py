@@ -12,7 +12,7 @@ step and exiting 0. The launchers around it do not report that:
 
 So ``launch/*.sh`` start them through this module::
 
-    python -m rlt_scale.launcher torchrun [torchrun options] -m rlt_scale.train CONFIG ...
+    python -m rlt_scale.launcher torchrun [torchrun options] -m rlt_scale.cli.train CONFIG ...
     python -m rlt_scale.launcher deepspeed SHUTDOWN_TIMEOUT DEEPSPEED [deepspeed options] ...
 
 ``torchrun`` runs torchrun's agent in this process, unchanged, with SIGUSR1
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return torchrun(argv[1:])
     if argv[:1] == ["deepspeed"] and len(argv) >= 3:
         return deepspeed(float(argv[1]), argv[2:])
-    print("usage: python -m rlt_scale.launcher torchrun [torchrun options] -m rlt_scale.train CONFIG ...\n"
+    print("usage: python -m rlt_scale.launcher torchrun [torchrun options] -m rlt_scale.cli.train CONFIG ...\n"
           "       python -m rlt_scale.launcher deepspeed SHUTDOWN_TIMEOUT DEEPSPEED [deepspeed options] ...",
           file=sys.stderr)
     return 2

@@ -14,8 +14,8 @@ from helpers import tiny_overrides
 from rlt_scale.config import load_config
 from rlt_scale.errors import CheckpointError, ConfigError
 from rlt_scale.export import load_export, main as export_main
-from rlt_scale.generate import load_for_inference, main as generate_main
-from rlt_scale.train import main as train_main
+from rlt_scale.cli.generate import load_for_inference, main as generate_main
+from rlt_scale.cli.train import main as train_main
 from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.trainer import Trainer
 

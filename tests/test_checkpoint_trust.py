@@ -20,7 +20,7 @@ import torch
 from helpers import tiny_overrides
 from rlt_scale.config import load_config
 from rlt_scale.errors import CheckpointError
-from rlt_scale.train import main as train_main
+from rlt_scale.cli.train import main as train_main
 from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.checkpoint_files import file_digest
 from rlt_scale.training.trainer import Trainer

@@ -202,8 +202,8 @@ def _workers(tag: str, ns: str) -> list[psutil.Process]:
     for p in _tagged(tag):
         with gone():
             cmd = p.cmdline()
-            # `python -u -m rlt_scale.train ...` (not srun, not the agent, not torch's helper processes)
-            if p.pid in pids and "rlt_scale.train" in cmd and "torch.distributed.run" not in cmd \
+            # `python -u -m rlt_scale.cli.train ...` (not srun, not the agent, not torch's helper processes)
+            if p.pid in pids and "rlt_scale.cli.train" in cmd and "torch.distributed.run" not in cmd \
                     and os.path.basename(cmd[0]).startswith("python") and p.name() != "pt_elastic":
                 out.append(p)
     return out
@@ -318,7 +318,7 @@ def reference(data, tmp_path: Path, name: str, steps: int, *, micro: int, interv
         shutil.copytree(start[0] / "checkpoints" / ckpt, ref / "checkpoints" / ckpt)
         (ref / "checkpoints" / "latest").write_text(ckpt)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WANDB_MODE="disabled")
-    proc = subprocess.run([sys.executable, "-m", "rlt_scale.train", "configs/tiny.yaml",
+    proc = subprocess.run([sys.executable, "-m", "rlt_scale.cli.train", "configs/tiny.yaml",
                            *_overrides(data, ref, steps, interval=interval, micro=micro)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=deadline)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

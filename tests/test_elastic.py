@@ -126,7 +126,7 @@ class Agent:
             children = psutil.Process(self.proc.pid).children()
         except psutil.NoSuchProcess:
             return []
-        return [c for c in children if "rlt_scale.train" in " ".join(c.cmdline())]
+        return [c for c in children if "rlt_scale.cli.train" in " ".join(c.cmdline())]
 
     def kill_node(self) -> None:
         """SIGKILL the agent and everything under it: the machine is gone."""
@@ -257,7 +257,7 @@ def test_node_lost_survivor_shrinks_and_continues_data_order(data, tmp_path):
     shutil.copytree(run / "checkpoints" / name, ref / "checkpoints" / name)
     (ref / "checkpoints" / "latest").write_text(name)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "rlt_scale.train", "configs/tiny.yaml",
+    proc = subprocess.run([sys.executable, "-m", "rlt_scale.cli.train", "configs/tiny.yaml",
                            *_overrides(data, ref, steps, interval)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=max(30.0, deadline - time.time()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -10,7 +10,7 @@ import torch
 from rlt_scale.config import Config, ModelConfig, config_to_yaml
 from rlt_scale.data.tokenizer import ByteTokenizer, train_bpe
 from rlt_scale.export import CONFIG_FILE, WEIGHTS_FILE
-from rlt_scale.generate import TextStream, main
+from rlt_scale.cli.generate import TextStream, main
 from rlt_scale.generation import Generator, SamplingConfig
 from rlt_scale.model import build_model
 from rlt_scale.training.sharded_state import named_weights

@@ -56,7 +56,7 @@ def test_launcher_runs_data_parallel_training(data, tmp_path, script):
 
 def test_sigterm_checkpoints_then_resume_continues(data, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rlt_scale.train", "configs/tiny.yaml", *_overrides(data, run, 10_000)]
+    cmd = [sys.executable, "-m", "rlt_scale.cli.train", "configs/tiny.yaml", *_overrides(data, run, 10_000)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 240
     while len(_steps(run)) < 3 and time.time() < deadline and proc.poll() is None:

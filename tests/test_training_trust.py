@@ -14,7 +14,7 @@ from helpers import tiny_overrides
 from rlt_scale.config import load_config
 from rlt_scale.errors import ConfigError, DataError
 from rlt_scale.training.bptt import run_sequence, valid_targets
-from rlt_scale.train import main as train_main
+from rlt_scale.cli.train import main as train_main
 from rlt_scale.training.trainer import Trainer
 
 
@@ -115,7 +115,7 @@ def test_torchrun_prints_one_summary_with_global_figures(parity_data, tmp_path):
     from helpers import tiny_run_overrides, torchrun
 
     run = tmp_path / "run"
-    proc = torchrun("rlt_scale/train.py", 2, ["configs/tiny.yaml"] + tiny_run_overrides(parity_data, run, 2),
+    proc = torchrun("rlt_scale/cli/train.py", 2, ["configs/tiny.yaml"] + tiny_run_overrides(parity_data, run, 2),
                     timeout=300)
     out = proc.stdout + proc.stderr
     assert out.count("== training summary ==") == 1, out[-3000:]

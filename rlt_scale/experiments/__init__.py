@@ -4,7 +4,7 @@
 * :mod:`rlt_scale.experiments.baselines` - the parameter-matched causal Transformer and GRU, and their
   training loop (same data, optimizer, schedule and early stopping as the RLT's ``Trainer``);
 * :mod:`rlt_scale.experiments.supervision` - training targets: the final answer, or the running state too;
-* :mod:`rlt_scale.experiments.stages` - one model's training, in one stage or through a length curriculum;
+* :mod:`rlt_scale.experiments.curriculum` - one model's training, in one stage or through a length curriculum;
 * :mod:`rlt_scale.experiments.state_tracking` - the whole table (``python -m rlt_scale.experiments.state_tracking``).
 
 Results and the exact commands: ``docs/RESULTS.md``.

@@ -25,7 +25,7 @@ What one run is:
    validation accuracy and keeps the best weights.
    The loss covers the answer only, or the running state too (``supervision``,
    :mod:`~rlt_scale.experiments.supervision`); a curriculum trains shorter
-   programs first (:mod:`~rlt_scale.experiments.stages`);
+   programs first (:mod:`~rlt_scale.experiments.curriculum`);
 3. test: final-state accuracy (argmax over the answer tokens) at every length.
 
 Runs are appended to ``OUT/results.json`` as they finish and the markdown table
@@ -50,7 +50,7 @@ from omegaconf import OmegaConf
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
-from rlt_scale.experiments.stages import Stage, is_baseline, train_stages
+from rlt_scale.experiments.curriculum import Stage, is_baseline, train_stages
 from rlt_scale.experiments.supervision import SUPERVISIONS, target_fn
 
 DEFAULT_PROTOCOL = "configs/experiments/state_tracking.yaml"

@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from rlt_scale.parallel.shards import is_tp_sharded
+from rlt_scale.parallel.tensor_shards import is_tp_sharded
 from rlt_scale.parallel.stages import is_pipeline_replica
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from rlt_scale.errors import ConfigError
-from rlt_scale.parallel.shards import gather_full
+from rlt_scale.parallel.tensor_shards import gather_full
 
 
 

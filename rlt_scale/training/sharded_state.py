@@ -36,7 +36,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from rlt_scale.parallel.shards import is_tp_sharded
+from rlt_scale.parallel.tensor_shards import is_tp_sharded
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 

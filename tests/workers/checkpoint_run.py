@@ -19,7 +19,7 @@ def main() -> None:
     out_file, overrides = sys.argv[1], sys.argv[2:]
     from rlt_scale.config import load_config
     from rlt_scale.distributed import init_distributed
-    from rlt_scale.parallel.shards import full_state
+    from rlt_scale.parallel.tensor_shards import full_state
     from rlt_scale.training.trainer import Trainer
 
     cfg = load_config(None, overrides)

@@ -18,7 +18,7 @@ def main() -> None:
     out_file, overrides = sys.argv[1], sys.argv[2:]
     from rlt_scale.config import load_config
     from rlt_scale.distributed import init_distributed
-    from rlt_scale.parallel.shards import full_state
+    from rlt_scale.parallel.tensor_shards import full_state
     from rlt_scale.training.trainer import Trainer
 
     cfg = load_config(None, overrides)
@@ -61,7 +61,7 @@ def _objective():
 
 def _replicated_params_agree(model, tp_group) -> bool:
     """Whether every parameter that TP does not split (norms, merge, s_*) is bit-identical on all TP ranks."""
-    from rlt_scale.parallel.shards import is_tp_sharded
+    from rlt_scale.parallel.tensor_shards import is_tp_sharded
 
     agree = True
     size = torch.distributed.get_world_size(tp_group)

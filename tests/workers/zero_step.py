@@ -29,7 +29,7 @@ def main() -> None:
     from rlt_scale.config import load_config
     from rlt_scale.distributed import init_distributed
     from rlt_scale.parallel.grad_norm import global_grad_norm
-    from rlt_scale.parallel.shards import full_state
+    from rlt_scale.parallel.tensor_shards import full_state
     from rlt_scale.training.trainer import Trainer
 
     base = load_config(None, overrides)
