@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -42,6 +43,22 @@ def tiny_overrides(data, run_dir, **extra) -> list[str]:
         "trainer.max_steps": 4, "trainer.log_interval": 1, "trainer.eval_interval": 0, "trainer.threads": 1,
     }
     return [f"{k}={v}" for k, v in {**base, **extra}.items()]
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The step records of ``run_dir/metrics.jsonl``, in the order written (redone steps appear twice)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line, caught mid-write
+            continue
+        if "loss" in record:
+            records.append(record)
+    return records
 
 
 def grads(model) -> dict[str, torch.Tensor]:

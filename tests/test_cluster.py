@@ -60,7 +60,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, tiny_run_overrides
+from helpers import ROOT, step_records, tiny_run_overrides
 from rlt_scale.data.prepare import prepare_task
 
 psutil = pytest.importorskip("psutil")
@@ -139,22 +139,6 @@ def _overrides(data, run_dir: Path, steps: int, *, interval: int, micro: int = M
     # float64: the layout-equivalence tolerances apply; keep every checkpoint for the references.
     return tiny_run_overrides(data, run_dir, steps, interval=interval, micro=micro, timeout_s=timeout_s) + [
         "model.params_dtype=float64", "trainer.precision=fp64", "checkpoint.keep=1000", *extra]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    """The step records of metrics.jsonl, in the order written (redone steps appear twice)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the last line, caught mid-write
-            continue
-        if "loss" in record:
-            records.append(record)
-    return records
 
 
 def _segments(records: list[dict]) -> list[list[dict]]:
@@ -322,13 +306,13 @@ def reference(data, tmp_path: Path, name: str, steps: int, *, micro: int, interv
                            *_overrides(data, ref, steps, interval=interval, micro=micro)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=deadline)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return _records(ref)
+    return step_records(ref)
 
 
 def _wait_past_checkpoint(j: Job, run: Path, interval: int) -> None:
     """Until a checkpoint exists and training is one to interval/2 steps past it (a fault then loses steps)."""
     def ready():
-        records = _records(run)
+        records = step_records(run)
         ckpt = _latest_step(run)
         return ckpt >= interval and bool(records) and 1 <= records[-1]["step"] - ckpt <= interval // 2
 
@@ -357,7 +341,7 @@ def test_two_nodes_match_one_process(node, data, tmp_path, layout):
     assert re.search(r"rendezvous node0:\d+", out), out[-3000:]
     # one rank per node, each logged under its own node
     assert len(j.rank_logs("node0")) == 1 and len(j.rank_logs("node1")) == 1, list(j.log_dir.rglob("*"))
-    records = _records(run)
+    records = step_records(run)
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in ref]
     assert _rel([r["loss"] for r in records], [r["loss"] for r in ref]) <= tol
@@ -395,7 +379,7 @@ def shrunk(cluster, data, tmp_path_factory):
             _wait_past_checkpoint(j, run, interval)
             survivor = _workers(j.tag, "node0")
             assert len(survivor) == 1, "one trainer process should run on node0"
-            before = len(_records(run))
+            before = len(step_records(run))
             killed = kill_node("node1")
             t_kill = time.time()
             down = _watch_down("node1")
@@ -403,7 +387,7 @@ def shrunk(cluster, data, tmp_path_factory):
             t_detect = time.time()
             j.until(lambda: list(j.log_dir.glob("node0/*/attempt_1")), "the re-formed worker group on node0")
             t_reform = time.time()
-            j.until(lambda: len(_segments(_records(run)[before - 1:])) > 1, "the survivor's first step")
+            j.until(lambda: len(_segments(step_records(run)[before - 1:])) > 1, "the survivor's first step")
             t_step = time.time()
             state = j.wait()
             t_end = time.time()
@@ -422,7 +406,7 @@ def test_node_loss_job_shrinks_to_survivor(shrunk, data):
     s = shrunk
     out = s.text
     assert s.state == "COMPLETED", out[-4000:]
-    records = _records(s.run)
+    records = step_records(s.run)
     before, after = _segments(records)
     resumed_at = after[0]["step"] - 1
     lost = before[-1]["step"] - resumed_at
@@ -453,7 +437,7 @@ def test_node_rejoins_at_next_restart(shrunk, node, data, tmp_path):
     """node1 back (the setup script restarted its slurmd): the resubmitted job grows to two nodes."""
     run, start, steps = shrunk.run, NODE_LOSS_STEPS, NODE_LOSS_STEPS + 4
     assert shrunk.restored.returncode == 0, f"node1 did not come back: {shrunk.restored.stderr[-2000:]}"
-    done = len(_records(run))
+    done = len(step_records(run))
     t0 = time.time()
     with job(tmp_path / "logs", _overrides(data, run, steps, interval=NODE_LOSS_INTERVAL),
              env={"MIN_NODES": "1", "RDZV_CONF": RDZV_CONF}) as j:
@@ -465,7 +449,7 @@ def test_node_rejoins_at_next_restart(shrunk, node, data, tmp_path):
     assert f"job {j.id}: 2 node(s) [node[0-1]]" in out
     assert f"resumed from {run / 'checkpoints' / f'step_{start:08d}'} at step {start}" in out
     assert "resharded from tp=1 pp=1 dp=1" in out and "to tp=1 pp=1 dp=2" in out
-    after = _records(run)[done:]
+    after = step_records(run)[done:]
     assert [r["step"] for r in after] == list(range(start + 1, steps + 1))
     # consumed samples continue from the dp=1 checkpoint at 2 x MICRO per step
     start_samples = json.loads((run / "checkpoints" / f"step_{start:08d}" / "meta.json").read_text())[
@@ -500,7 +484,7 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
         node1_exit_s = time.time() - t_cut
         left = [p for p in node1_procs if p.is_running()]
         assert not left, f"node1's processes {left} still run {node1_exit_s:.0f} s after the cut"
-        j.until(lambda: len(_segments(_records(run))) > 1, "node0's first step alone")
+        j.until(lambda: len(_segments(step_records(run))) > 1, "node0's first step alone")
         t_step = time.time()
         state = j.wait()
         out = j.text()
@@ -512,7 +496,7 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
     # node1's address), or, when node0 was only waiting to receive, after parallel.timeout_s.
     named = "10.199.42.11" in node0_err
     assert named or f"Timed out waiting {TIMEOUT_S * 1000}ms" in node0_err, node0_err[-3000:]
-    segs = _segments(_records(run))
+    segs = _segments(step_records(run))
     assert len(segs) == 2, segs
     resumed_at = segs[1][0]["step"] - 1
     lost = segs[0][-1]["step"] - resumed_at
@@ -524,7 +508,7 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
 
     # The link back, the same command again on both nodes: resumes at the last checkpoint, nothing lost.
     assert _setup("--no-install").returncode == 0
-    done = len(_records(run))
+    done = len(step_records(run))
     with job(tmp_path / "logs", _overrides(data, run, steps + 2, interval=interval),
              env={"MIN_NODES": "1", "RDZV_CONF": RDZV_CONF}) as again:
         state = again.wait()
@@ -532,7 +516,7 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
     assert state == "COMPLETED", out[-4000:]
     assert f"job {again.id}: 2 node(s) [node[0-1]]" in out
     assert f"resumed from {run / 'checkpoints' / f'step_{steps:08d}'} at step {steps}" in out
-    assert [r["step"] for r in _records(run)[done:]] == [steps + 1, steps + 2]
+    assert [r["step"] for r in step_records(run)[done:]] == [steps + 1, steps + 2]
     print(f"\npartition: node1's link cut {lost} step(s) after the step-{resumed_at} checkpoint; node0's worker "
           f"failed after {t_detect - t_cut:.1f} s ({'naming node1' if named else 'gloo timeout'}), every process "
           f"of the job on node1 had exited after {node1_exit_s:.1f} s (bound {bound} s), node0's first step alone after {t_step - t_cut:.1f} s")
@@ -544,19 +528,19 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
 def test_requeue_checkpoints_on_every_node_and_resumes(node, data, tmp_path):
     run, steps = tmp_path / "run", 12
     with job(tmp_path / "logs", _overrides(data, run, steps, interval=1000)) as j:
-        j.until(lambda: len(_records(run)) >= 3, "three steps")
+        j.until(lambda: len(step_records(run)) >= 3, "three steps")
         assert _slurm("scontrol", "requeue", j.id).returncode == 0
         t_requeue = time.time()
         j.until(lambda: "SIGTERM received" in j.text() and _latest_step(run) > 0, "the checkpoint")
         t_ckpt = time.time()
         j.until(lambda: _job_state(j.id) == "PENDING", "the job to be requeued")
         stopped_at = _latest_step(run)
-        n_stop = len(_records(run))
+        n_stop = len(step_records(run))
         t_stop = time.time()
         # Slurm holds a requeued batch job back for about two minutes (Reason=BeginTime); release it now.
         begin = re.search(r"StartTime=(\S+)", _slurm("scontrol", "show", "job", j.id).stdout)
         assert _slurm("scontrol", "update", f"JobId={j.id}", "StartTime=now").returncode == 0
-        j.until(lambda: len(_records(run)) > n_stop, "the requeued job's first step")
+        j.until(lambda: len(step_records(run)) > n_stop, "the requeued job's first step")
         t_step = time.time()
         state = j.wait()
         out = j.text()
@@ -570,11 +554,11 @@ def test_requeue_checkpoints_on_every_node_and_resumes(node, data, tmp_path):
     # ... which both ranks wrote, each its own shard: node1's rank was alive and checkpointed too.
     meta = json.loads((run / "checkpoints" / f"step_{stopped_at:08d}" / "meta.json").read_text())
     assert {"__0_0.distcp", "__1_0.distcp"} <= set(meta["files"]) and meta["world_size"] == 2, meta["files"]
-    records = _records(run)
+    records = step_records(run)
     assert records[n_stop - 1]["step"] == stopped_at  # the last step logged was checkpointed: nothing to redo
     assert f"resumed from {run / 'checkpoints' / f'step_{stopped_at:08d}'} at step {stopped_at}\n" in out
     assert [r["step"] for r in records] == list(range(1, steps + 1))
-    assert [r["consumed_samples"] for r in _records(run)] == [r["step"] * 2 * MICRO for r in _records(run)]
+    assert [r["consumed_samples"] for r in step_records(run)] == [r["step"] * 2 * MICRO for r in step_records(run)]
     assert json.loads((run / "checkpoints" / f"step_{steps:08d}" / "meta.json").read_text())["world_size"] == 2
     print(f"\nrequeue: both nodes checkpointed step {stopped_at} {t_ckpt - t_requeue:.1f} s after `scontrol requeue`, "
           f"the job left RUNNING after {t_stop - t_requeue:.1f} s, the requeued job's first step "

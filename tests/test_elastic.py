@@ -32,7 +32,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, free_port, tiny_run_overrides
+from helpers import ROOT, step_records, free_port, tiny_run_overrides
 from rlt_scale.data.prepare import prepare_task
 
 pytestmark = pytest.mark.slow
@@ -64,22 +64,6 @@ def data(tmp_path_factory):
 def _overrides(data, run_dir, steps: int, interval: int) -> list[str]:
     # keep every checkpoint: test 2 replays from the one resumed
     return tiny_run_overrides(data, run_dir, steps, interval=interval, micro=MICRO, timeout_s=30) + ["checkpoint.keep=1000"]
-
-
-def _records(run_dir: Path) -> list[dict]:
-    """The step records of metrics.jsonl, in the order written (redone steps appear twice)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the last line, caught mid-write
-            continue
-        if "loss" in record:
-            records.append(record)
-    return records
 
 
 def _latest_step(run_dir: Path) -> int:
@@ -177,14 +161,14 @@ def _wait_past_checkpoint(run_dir: Path, interval: int, deadline: float, agents)
     """
     def ready():
         ckpt = _latest_step(run_dir)
-        records = _records(run_dir)
+        records = step_records(run_dir)
         return ckpt >= interval and bool(records) and 1 <= records[-1]["step"] - ckpt <= interval // 2
 
     _wait(ready, "a checkpoint and a step past it", deadline, agents)
 
 
 def _first_step_after_restart(run_dir: Path) -> bool:
-    records = _records(run_dir)
+    records = step_records(run_dir)
     return len(records) > len(_before_restart(records))
 
 
@@ -203,7 +187,7 @@ def test_worker_killed_group_restarts_and_resumes(data, tmp_path):
             agent.proc.wait(timeout=max(1.0, deadline - time.time()))
             assert agent.proc.returncode == 0, agent.output()[-4000:]
 
-    records = _records(run)
+    records = step_records(run)
     before = _before_restart(records)
     resumed_at = records[len(before)]["step"] - 1
     lost = before[-1]["step"] - resumed_at
@@ -232,7 +216,7 @@ def test_node_lost_survivor_shrinks_and_continues_data_order(data, tmp_path):
         a.proc.wait(timeout=max(1.0, deadline - time.time()))
         assert a.proc.returncode == 0, a.output()[-4000:]
 
-    records = _records(run)
+    records = step_records(run)
     before = _before_restart(records)
     after = records[len(before):]
     resumed_at = after[0]["step"] - 1
@@ -261,7 +245,7 @@ def test_node_lost_survivor_shrinks_and_continues_data_order(data, tmp_path):
                            *_overrides(data, ref, steps, interval)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=max(30.0, deadline - time.time()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    reference = _records(ref)
+    reference = step_records(ref)
     assert [r["step"] for r in reference] == [r["step"] for r in after]
     assert [r["consumed_samples"] for r in reference] == [r["consumed_samples"] for r in after]
     assert [r["loss"] for r in reference] == [r["loss"] for r in after]

@@ -33,7 +33,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trainer.ctx.is_logging_rank:  # the figures are already global: one summary per job
         print(summary, flush=True)
+    _leave_job(trainer.ctx.world_size)
     return 0
+
+
+def _leave_job(world_size: int) -> None:
+    """End a multi-process job together: no rank tears down the rendezvous store (held by
+    rank 0) while another still talks to it, which killed late ranks with
+    ``terminate called without an active exception`` (seen across two nodes under load)."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
