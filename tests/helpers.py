@@ -34,11 +34,13 @@ def parity_dataset(out: Path, num_samples: int, length: int, eval_samples: int =
 def tiny_overrides(data, run_dir, **extra) -> list[str]:
     """The tiny model and run the in-process and launcher tests train, as ``key=value`` overrides.
 
-    d=16, 2 heads, window 4, micro-batch 4, 4 steps, no evaluation, logging every
-    step; ``extra`` (dotted keys) adds or replaces keys.
+    d=16, 2 heads, window 4, micro-batch 4, 4 steps, no eval set (a YAML such as
+    configs/tiny.yaml names one, which the trainer opens at start-up), logging
+    every step; ``extra`` (dotted keys) adds or replaces keys.
     """
     base = {
-        "data.path": data, "checkpoint.dir": run_dir, "logging.wandb_mode": "disabled", "model.d_model": 16,
+        "data.path": data, "data.eval_path": "null", "checkpoint.dir": run_dir, "logging.wandb_mode": "disabled",
+        "model.d_model": 16,
         "model.n_heads": 2, "model.window": 4, "model.vocab_size": 260, "trainer.micro_batch_size": 4,
         "trainer.max_steps": 4, "trainer.log_interval": 1, "trainer.eval_interval": 0, "trainer.threads": 1,
     }
