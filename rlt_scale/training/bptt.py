@@ -128,11 +128,6 @@ def valid_targets(tokens, doc_ids=None, loss_mask=None) -> torch.Tensor:
     return mask[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
 
 
-def count_valid_targets(batch: dict) -> int:
-    """The number of valid targets of a loader batch (``tokens``, ``doc_ids``, ``loss_mask``)."""
-    return int(valid_targets(batch["tokens"], batch.get("doc_ids"), batch.get("loss_mask")).sum())
-
-
 Targets = Callable[[dict], tuple[torch.Tensor, torch.Tensor]]
 """``targets(batch) -> (target ids [B, T], valid [B, T] bool)`` of a ``[B, T+1]`` loader batch: the loss's plug-in."""
 
