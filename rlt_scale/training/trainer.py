@@ -155,6 +155,15 @@ class Trainer:
         return max(steps, default=0)
 
     def save(self) -> Path:
+        """Checkpoint the current step (collective). Called between optimizer steps.
+
+        The last step's gradients are spent by then -- its norm is already a
+        float, evaluation runs without gradients and the next step's
+        ``forward_backward`` starts by clearing them -- so they are freed
+        first: the save's writer buffers then reuse their memory instead of
+        adding to it. (Under ZeRO DeepSpeed has freed them already.)
+        """
+        self.model.zero_grad(set_to_none=True)
         extra = {"config": config_to_dict(self.cfg), "wandb_run_id": self.wandb_id,
                  "consumed_samples": self.loader.state_dict()["consumed_samples"]}
         return self.checkpoints.save(self.step, self.stateful(), extra)
