@@ -1,4 +1,4 @@
-"""rlt-generate on bad input: one-line errors (exit status 2) or documented behaviour; streaming output."""
+"""rlt-generate on bad input: one-line errors (exit status 2) or documented behaviour; streaming output; --device."""
 
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def prompts(monkeypatch):
     seen = []
     prefill = Generator.prefill
 
-    def spy(self, prompt):
+    def spy(self, prompt, *args, **kwargs):
         seen.append(prompt[0].tolist())
-        return prefill(self, prompt)
+        return prefill(self, prompt, *args, **kwargs)
 
     monkeypatch.setattr(Generator, "prefill", spy)
     return seen
@@ -153,7 +153,8 @@ def test_undecodable_prompt_bytes_reach_the_byte_tokenizer_raw(export_dir, capsy
 
 
 # ------------------------------------------------------------------ streaming
-def test_text_is_streamed_as_it_is_sampled_and_equals_the_final_text(export_dir, capsys, monkeypatch):
+@pytest.mark.parametrize("every", [1, 5])
+def test_text_is_streamed_every_n_tokens_and_equals_the_final_text(export_dir, capsys, monkeypatch, every):
     argv = [export_dir, "--prompt", "x = ", "--max-new-tokens", "24", "--temperature", "1.0", "--seed", "3"]
     assert _run(argv + ["--json"]) == 0
     sample = json.loads(capsys.readouterr().out)
@@ -162,27 +163,42 @@ def test_text_is_streamed_as_it_is_sampled_and_equals_the_final_text(export_dir,
     chunks = []
     step = Generator.step
 
-    def watch(self, tokens, state):  # stdout written so far, at every model step
+    def watch(self, tokens, state):  # stdout written since the previous model step
         chunks.append(capsys.readouterr().out)
         return step(self, tokens, state)
 
     monkeypatch.setattr(Generator, "step", watch)
-    assert _run(argv) == 0
+    assert _run(argv + ["--stream-every", str(every)]) == 0
     chunks.append(capsys.readouterr().out)
-    assert chunks[0].startswith("x = ")  # the prompt and the first token are out before the second step
+    # chunks[i] was written before the step consuming token i: tokens are printed once `every` are sampled
+    assert chunks[0].startswith("x = ")
+    assert all(i % every == every - 1 for i, c in enumerate(chunks[1:-1], 1) if c)
     assert sum(1 for c in chunks if c) > 4  # text arrives piece by piece, not all at the end
     assert "".join(chunks) == "x = " + sample["text"] + "\n"
 
 
-def test_on_token_is_called_once_per_returned_token(export_dir):
+def test_stream_every_changes_when_text_is_printed_not_what(export_dir, capsys):
+    argv = [export_dir, "--prompt", "x = ", "--max-new-tokens", "40", "--temperature", "1.0", "--seed", "5"]
+    outputs = []
+    for every in ("1", "7", "16"):
+        assert _run(argv + ["--stream-every", every]) == 0
+        outputs.append(capsys.readouterr())
+    assert len(outputs[0].out) > len("x = \n") and all(o == outputs[0] for o in outputs)
+    assert _run(argv + ["--stream-every", "0"]) == 2
+    assert "argument --stream-every" in _error_line(capsys)
+
+
+def test_on_tokens_gets_every_returned_token_in_pieces(export_dir):
     from rlt_scale.export import load_export
 
     model, _ = load_export(export_dir)
     seen = []
     tokens, logprobs = Generator(model).generate(
         torch.tensor([[1, 2, 3]]), 7, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0),
-        on_token=lambda t, lp: seen.append((int(t[0]), float(lp[0]))))
-    assert seen == list(zip(tokens[0].tolist(), logprobs[0].tolist()))
+        on_tokens=lambda t, lp: seen.append((t[0].tolist(), lp[0].tolist())), check_every=3)
+    assert [len(t) for t, _ in seen] == [3, 3, 1]
+    assert sum((t for t, _ in seen), []) == tokens[0].tolist()
+    assert sum((lp for _, lp in seen), []) == logprobs[0].tolist()
     empty, empty_lp = Generator(model).generate(torch.tensor([[1]]), 0)
     assert empty.shape == empty_lp.shape == (1, 0)
 
@@ -196,3 +212,38 @@ def test_text_stream_pieces_join_to_the_decoded_text(kind, tmp_path):
     pieces = [stream.push(i) for i in ids] + [stream.finish()]
     assert "".join(pieces) == tokenizer.decode(ids)
     assert all("\ufffd" not in p for p in pieces[:-2])  # no character is printed half-done
+
+
+# ------------------------------------------------------------------ device
+def test_device_option_is_documented_and_cpu_samples_as_the_default(export_dir, capsys, monkeypatch):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--device {auto,cpu,cuda}" in help_text and "cuda if available, else cpu" in help_text
+
+    used = []
+    generate = Generator.generate
+
+    def spy(self, prompt, max_new_tokens, cfg, generator, **kwargs):  # where the model, prompt and RNG live
+        used.append((next(self.model.parameters()).device, prompt.device, generator.device))
+        return generate(self, prompt, max_new_tokens, cfg, generator, **kwargs)
+
+    monkeypatch.setattr(Generator, "generate", spy)
+    argv = [export_dir, "--prompt", "ab", "--max-new-tokens", "6", "--temperature", "1.0", "--json"]
+    assert _run(argv + ["--device", "cpu"]) == 0
+    on_cpu = json.loads(capsys.readouterr().out)
+    assert used == [(torch.device("cpu"),) * 3]
+    if not torch.cuda.is_available():  # auto is the CPU here, and samples the same
+        assert _run(argv) == 0
+        assert json.loads(capsys.readouterr().out) == on_cpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_a_one_line_error(export_dir, capsys):
+    assert _run([export_dir, "--prompt", "a", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in _error_line(capsys)
+
+
+def test_unknown_device_is_refused(export_dir, capsys):
+    assert _run([export_dir, "--prompt", "a", "--device", "tpu"]) == 2
+    assert "argument --device: invalid choice: 'tpu'" in _error_line(capsys)

@@ -15,6 +15,14 @@ sampled tokens goes to stderr; ``--json`` prints one JSON object at the end inst
   they are echoed as U+FFFD. A BPE tokenizer encodes text only and such a
   prompt is an error.
 * ``--max-new-tokens 0`` loads the model and prints only the prompt.
+* ``--device`` (default ``auto``: CUDA when available, else the CPU) is where
+  the model is loaded and sampling runs; the seeded random generator lives
+  there too, so a seed gives the CPU's samples on the CPU and the GPU's on a GPU.
+* Text is streamed in pieces of ``--stream-every`` tokens (default 16): the
+  host reads the sampled tokens back from the device only that often, and
+  looks for EOS then. Tokens sampled after EOS are discarded, so the text does
+  not depend on ``--stream-every``; 1 prints token by token, at the cost of
+  waiting for the device at every token.
 * Bad options, a missing or unreadable run/export directory and a prompt the
   model cannot take are reported as one ``rlt-generate: error: ...`` line on
   stderr with exit status 2.
@@ -79,6 +87,15 @@ _max_new_tokens = _number(int, "max_new_tokens", lambda v: v >= 0, "an integer >
 _temperature = _number(float, "temperature", lambda v: math.isfinite(v) and v >= 0, "a number >= 0 (0: greedy)")
 _top_k = _number(int, "top_k", lambda v: v >= 0, "an integer >= 0 (0: all tokens)")
 _top_p = _number(float, "top_p", lambda v: 0 < v <= 1, "a number in (0, 1] (1: all tokens)")
+_stream_every = _number(int, "stream_every", lambda v: v >= 1, "an integer >= 1")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _device(name: str) -> str:
+    """``auto``: CUDA when available, else the CPU."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 # ---------------------------------------------------------------- prompt and text
@@ -161,14 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=_top_k, default=0, help="keep the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=_top_p, default=1.0, help="keep the smallest set reaching probability p")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where to load the model and sample (default: auto, i.e. cuda if available, else cpu)")
+    p.add_argument("--stream-every", type=_stream_every, default=16, metavar="N",
+                   help="print the text, and check for EOS, every N tokens: each check waits for the device "
+                        "(default: 16; 1: token by token)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     args = p.parse_args(argv)
     if args.checkpoint is not None and (Path(args.run_dir) / WEIGHTS_FILE).exists():
         p.error(f"--checkpoint selects a checkpoint of a run directory, but {args.run_dir} is an rlt-export "
                 f"directory ({WEIGHTS_FILE}), which holds exactly one model")
+    device = _device(args.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("argument --device: cuda was asked for, but no CUDA device is available")
 
     try:
-        model, cfg = load_for_inference(args.run_dir, args.checkpoint)
+        model, cfg = load_for_inference(args.run_dir, args.checkpoint, device)
         tokenizer = load_tokenizer(args.tokenizer or _data_tokenizer(cfg.data.path))
         ids, prompt_text = encode_prompt(tokenizer, args.prompt)
         if max(ids) >= cfg.model.vocab_size:
@@ -178,19 +203,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
 
-    prompt = torch.tensor([ids], dtype=torch.long)
+    device = next(model.parameters()).device  # "cuda" resolved to the process's GPU
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    gen = torch.Generator().manual_seed(args.seed)
-    on_token = None
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    on_tokens = None
     if not args.json:
         stream = TextStream(tokenizer)
         _write(prompt_text)
 
-        def on_token(token: torch.Tensor, logprob: torch.Tensor) -> None:
-            _write(stream.push(int(token[0])))
+        def on_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+            _write("".join(stream.push(token) for token in tokens[0].tolist()))
 
     tokens, logprobs = Generator(model).generate(prompt, args.max_new_tokens, sampling, gen,
-                                                 stop_token=tokenizer.eos_id, on_token=on_token)
+                                                 stop_token=tokenizer.eos_id, on_tokens=on_tokens,
+                                                 check_every=args.stream_every)
     new = tokens[0].tolist()
     if args.json:
         print(json.dumps({"prompt": prompt_text, "tokens": new, "text": tokenizer.decode(new),
