@@ -6,11 +6,14 @@ decoder. Here the decoder is a ring: the last stage merges that s with the
 encoder output of segment n+1 and sends the merged input u to stage 0, and
 M >= PP micro-batches circulate so that every stage is busy at every tick.
 
-Timeline. With R = max(M, PP), micro-batch m's segment n runs on stage s at
-tick ``n*R + m + s``. Its input was produced at the previous tick (by stage
-s-1), or for stage 0 at tick ``(n-1)*R + m + PP-1 < n*R + m`` by the last
-stage, so blocking receives never wait on a later tick. Fill and drain cost
-PP-1 ticks per sample, not per micro-batch.
+Timeline (:class:`~rlt_scale.parallel.ring_work.RingSchedule`). With
+R = max(M, PP), micro-batch m's segment n runs on stage s at tick
+``n*R + m + s``. Its input was produced at the previous tick (by stage s-1),
+or for stage 0 at tick ``(n-1)*R + m + PP-1 < n*R + m`` by the last stage.
+Fill and drain cost PP-1 ticks per sample, not per micro-batch. Every message
+is exchanged at its consumer's tick, posted with that tick's other sends and
+receives as one group (:mod:`rlt_scale.parallel.ring_p2p`): under NCCL, whose
+sends do not buffer, any other order can deadlock.
 
 Backward runs the same ticks in reverse. Every (stage, micro-batch, segment)
 piece of work keeps its own small graph whose inputs are leaves: the received
@@ -18,9 +21,11 @@ activation, the incoming window caches, the carried feedback (last stage),
 and shared leaves for the encoder output and the memory. Backward of a piece
 takes the gradients of its outputs (from the next stage, from its own
 successor in time, from the loss) and yields the gradients of those leaves,
-which travel back around the ring. The encoder runs as an ordinary pipeline
-over all positions; its final output is broadcast to every stage, which
-builds the memory groups its decoder layers read.
+which travel back around the ring. The last stage reads out and takes the
+loss once per chunk, as one process does, from leaves of its segments'
+outputs. The encoder runs as an ordinary pipeline over the micro-batches
+(M + PP - 1 stage-times each way); its final output is broadcast to every
+stage, which builds the memory groups its decoder layers read.
 
 The trainer's :class:`~rlt_scale.training.bptt.BPTT` applies here as in
 one process, through each micro-batch's :class:`~rlt_scale.training.bptt.SegmentPlan`:
@@ -39,12 +44,14 @@ gradients of its keys/values are summed over those stages before they flow
 into the projection, so every replica's weights get the same, complete
 gradient, and only the owning stage passes the memory's gradient on to the
 encoder output.
+
+Losses and right answers are summed on the device and read once per pass:
+a host read per segment would stall a GPU at every token.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -53,7 +60,9 @@ from rlt_scale.distributed import ParallelContext
 from rlt_scale.training.bptt import BPTT, Targets, next_token_targets
 from rlt_scale.model.rlt import RLT
 from rlt_scale.model.state import KV
-from rlt_scale.parallel.ring_work import Boundary, MicroBatch, RingStats, SegmentWork, leaf, leaf_kv
+from rlt_scale.parallel.ring_p2p import TickExchange, WaitTimer
+from rlt_scale.parallel.ring_work import (Boundary, MicroBatch, RingSchedule, RingStats, SegmentWork, leaf,
+                                          leaf_kv)
 from rlt_scale.parallel.stages import StagePlan, stages_reading_group
 
 GRAPH, CHECKPOINT, EVAL = "graph", "checkpoint", "eval"
@@ -70,10 +79,8 @@ class RingPipeline:
         self.owns = {g: stages_reading_group(model.cfg, g, plan.n_stages)[0] == plan.stage
                      for g in plan.memory_groups}
         self.stats = RingStats(0, 0)
-        self._loss_total = 0.0
-        self._correct_total = 0
+        self._sums = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # last stage: loss, right answers, targets
         self._answers = None  # evaluation: count right answers among these token ids
-        self._ring_start = 0.0
 
     def _replica_groups(self) -> dict[int, dist.ProcessGroup]:
         """One process group per memory group read on several stages (collective: all ranks)."""
@@ -91,61 +98,111 @@ class RingPipeline:
                         groups[g] = handle
         return groups
 
-    # ------------------------------------------------------------ helpers
-    def _send(self, tensor: torch.Tensor, dst: int, pending: list) -> None:
-        pending.append(dist.isend(tensor.detach().contiguous(), dst))
+    def _links(self, timer: WaitTimer | None = None) -> TickExchange:
+        return TickExchange(self.ctx.pp_group, self.ctx.device, timer)
 
-    def _recv(self, shape, dtype, src: int) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        start = time.perf_counter()
-        dist.recv(buf, src)
-        self.stats.wait_s += time.perf_counter() - start
-        return buf
+    def _activation(self, mb: MicroBatch, length: int) -> tuple[int, int, int]:
+        return mb.x.shape[0], length, self.model.cfg.d_model
 
-    def _tick_order(self, micro: list[MicroBatch]):
-        """(tick, micro-batch index, segment index) of this stage's work, in tick order."""
-        n, stage = self.plan.n_stages, self.plan.stage
-        period = max(len(micro), n)
-        longest = max(len(mb.segments) for mb in micro)
-        ticks = period * longest + n - 1
-        order = []
-        for tick in range(ticks):
-            j = tick - stage
-            m, n = j % period, j // period
-            if j >= 0 and m < len(micro) and n < len(micro[m].segments):
-                order.append((tick, m, n))
-        self.stats = RingStats(ticks, len(order))  # the receive timer restarts here
-        return order
+    # ----------------------------------------------------------- encoder
+    def _encoder_forward(self, micro: list[MicroBatch]) -> None:
+        """Every micro-batch's encoder layers as a plain pipeline: stage s runs micro-batch m at tick m + s.
+
+        Then the last stage's outputs are broadcast, all at once: waiting for
+        each micro-batch's broadcast in turn would cost M x PP stage-times.
+        """
+        model, plan = self.model, self.plan
+        links = self._links()
+        for tick in range(len(micro) + plan.n_stages - 1):
+            m = tick - plan.stage
+            mb = micro[m] if 0 <= m < len(micro) else None
+            receive = []
+            if mb is not None and not plan.first:
+                receive = [(self.prev_rank, self._activation(mb, mb.x.shape[1]), model.tp.dtype)]
+            got = links.exchange(tick, receive)
+            if mb is None:
+                continue
+            if plan.first:
+                x = model.embed(mb.x)
+            else:
+                mb.enc_in = x = leaf(got[0])
+            mb.enc_out, _ = model.encoder_layers(x, mb.pos, mb.doc, plan.encoder_layers,
+                                                 recompute=self.bptt.recompute_encoder)
+            if not plan.last:
+                links.send_at(tick + 1, self.next_rank, mb.enc_out)
+        links.close()
+        shared = []
+        for mb in micro:
+            e = mb.enc_out.detach().clone() if plan.last else torch.empty_like(mb.enc_out)
+            shared.append((e, dist.broadcast(e, self.last_rank, group=self.ctx.pp_group, async_op=True)))
+        for mb, (e, handle) in zip(micro, shared):
+            handle.wait()
+            mb.e = leaf(e)
+            rope = model.rotary(mb.pos)
+            for g in plan.memory_groups:
+                # A replica's gradient reaches e through its owner only (see _encoder_backward).
+                source = mb.e if self.owns[g] else mb.e.detach()
+                mb.memory[g] = model.memory[g](source, rope, mb.pos, mb.doc)
+                mb.memory_leaves[g] = leaf_kv(mb.memory[g])
+
+    def _encoder_backward(self, micro: list[MicroBatch]) -> None:
+        """The memory's and then the encoder's backward, for every micro-batch (last first).
+
+        Every all-reduce is posted before the backward chain starts: the
+        replica sums of the memory gradients, then the sums of each
+        micro-batch's gradient of e over the stages. The chain (last stage to
+        first, a plain pipeline) waits only for what it reads, so its
+        micro-batches overlap: M + PP - 1 stage-times, not M x PP. The
+        operations and their order per tensor are those of a one-by-one
+        walk, so the gradients are bit-identical to it.
+        """
+        plan, order = self.plan, list(reversed(micro))
+        memory_grads = []
+        for mb in order:
+            outs, grads, handles = [], [], []
+            for g in sorted(mb.memory):  # the same order on every stage: replica all-reduces pair up
+                kv, lf = mb.memory[g], mb.memory_leaves[g]
+                for out, leaf_t in ((kv.k, lf.k), (kv.v, lf.v)):
+                    grad = leaf_t.grad if leaf_t.grad is not None else torch.zeros_like(leaf_t)
+                    if g in self.replica_groups:
+                        handles.append(dist.all_reduce(grad, group=self.replica_groups[g], async_op=True))
+                    outs.append(out)
+                    grads.append(grad)
+            memory_grads.append((outs, grads, handles))
+        grad_e_sums = []
+        for mb, (outs, grads, handles) in zip(order, memory_grads):
+            for handle in handles:
+                handle.wait()
+            if outs:
+                torch.autograd.backward(outs, grads)
+            grad_e = mb.e.grad if mb.e.grad is not None else torch.zeros_like(mb.e)
+            grad_e_sums.append((grad_e, dist.all_reduce(grad_e, group=self.ctx.pp_group, async_op=True)))
+        links = self._links()
+        for tick in range(len(order) + plan.n_stages - 1):
+            j = tick - (plan.n_stages - 1 - plan.stage)
+            mb = order[j] if 0 <= j < len(order) else None
+            receive = []
+            if mb is not None and not plan.last:
+                receive = [(self.next_rank, tuple(mb.enc_out.shape), mb.enc_out.dtype)]
+            got = links.exchange(tick, receive)
+            if mb is None:
+                continue
+            if plan.last:
+                grad_out, handle = grad_e_sums[j]
+                handle.wait()
+            else:
+                grad_out = got[0]
+            torch.autograd.backward([mb.enc_out], [grad_out])
+            if not plan.first:
+                links.send_at(tick + 1, self.prev_rank, mb.enc_in.grad)
+        links.close()
+        for _, handle in grad_e_sums:  # the other stages' contributions must be sent before their buffers go
+            handle.wait()
 
     # ------------------------------------------------------------- forward
-    def _encoder_forward(self, mb: MicroBatch, pending: list) -> None:
-        model, plan = self.model, self.plan
-        b, length = mb.x.shape
-        d = model.cfg.d_model
-        if plan.first:
-            x = model.embed(mb.x)
-        else:
-            mb.enc_in = leaf(self._recv((b, length, d), model.tp.dtype, self.prev_rank))
-            x = mb.enc_in
-        x, _ = model.encoder_layers(x, mb.pos, mb.doc, plan.encoder_layers)
-        mb.enc_out = x
-        if not plan.last:
-            self._send(x, self.next_rank, pending)
-            e = torch.empty_like(x)
-        else:
-            e = x.detach().clone()
-        dist.broadcast(e, self.last_rank, group=self.ctx.pp_group)
-        mb.e = leaf(e)
-        rope = model.rotary(mb.pos)
-        for g in plan.memory_groups:
-            # A replica's gradient reaches e through its owner only (see _encoder_backward).
-            source = mb.e if self.owns[g] else mb.e.detach()
-            mb.memory[g] = model.memory[g](source, rope, mb.pos, mb.doc)
-            mb.memory_leaves[g] = leaf_kv(mb.memory[g])
-
     def _run_segment(self, mb: MicroBatch, n: int, z_in: torch.Tensor, caches_in: dict[int, KV],
                      f_in) -> SegmentWork:
-        """This stage's decoder layers (and on the last stage the loss and the next merge) for segment n.
+        """This stage's decoder layers (and on the last stage the next merge) for segment n.
 
         Pure computation from the given leaves; the caller communicates.
         """
@@ -157,7 +214,6 @@ class RingPipeline:
         z, caches_out = model.decoder_layers(z_in, pos, doc, caches_in, memory, plan.decoder_layers)
         work = SegmentWork(z_in, caches_in, caches_out, z)
         if plan.last:
-            work.loss = model.segment_loss(z, mb.targets[:, a:b], mb.valid[:, a:b])
             work.f_in = f_in
             carried = model.carry(z, pos, f_in)
             if n + 1 < len(mb.segments):
@@ -170,61 +226,93 @@ class RingPipeline:
         a, b = mb.segments[n]
         return self.model.feedback_in(mb.e[:, a:b], mb.pos[:, a:b], carried)
 
-    def _forward_segment(self, mb: MicroBatch, n: int, caches: dict[int, KV], pending: list, mode: str):
-        """Receive, run and send segment n; returns the caches it leaves for segment n+1."""
+    def _chunk_loss(self, mb: MicroBatch, c: int, z: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of chunk ``c``'s readout from its outputs ``z`` (its segments' in order)."""
+        a, b = mb.plan.chunks[c]
+        return self.model.segment_loss(z, mb.targets[:, a:b], mb.valid[:, a:b])
+
+    def _read_out(self, mb: MicroBatch, n: int, work: SegmentWork, graph: bool) -> None:
+        """Last stage: keep segment n's output; at the end of its chunk, read the chunk out and count its loss.
+
+        One readout and loss per chunk, as in one process (``bptt._chunk_loss``):
+        their tensor-parallel all-reduces run per chunk, not per token. With a
+        graph the loss reads leaves of the segments' outputs, so that backward
+        can hand each segment the gradient of its own output.
+        """
+        if graph:
+            work.z_read = leaf(work.z_out)
+        mb.chunk_z.append(work.z_read if graph else work.z_out)
+        if not mb.ends_chunk(n):
+            return
+        c = mb.plan.chunk_of[n]
+        z, mb.chunk_z = torch.cat(mb.chunk_z, dim=1), []
+        loss = self._chunk_loss(mb, c, z)
+        if graph:
+            mb.chunk_loss[c] = loss
+        self._sums[0] += loss.detach()
+        if self._answers is not None:
+            a, b = mb.plan.chunks[c]
+            self._sums[1] += self.model.answer_correct(z, mb.targets[:, a:b], mb.valid[:, a:b], self._answers)
+
+    def _forward_segment(self, mb: MicroBatch, m: int, n: int, z_in: torch.Tensor, caches: dict[int, KV],
+                         links: TickExchange, schedule: RingSchedule, mode: str):
+        """Run segment n on the received ``z_in`` and hold its outputs; returns the caches it leaves for n+1."""
         plan = self.plan
-        a, b = mb.segments[n]
-        source = self.prev_rank if not plan.first else self.last_rank
-        z_in = self._recv((mb.x.shape[0], b - a, self.model.cfg.d_model), self.model.tp.dtype, source)
         f_in = mb.feedback if plan.last else None
         if mode == CHECKPOINT:
             mb.received[n] = z_in
             if mb.plan.chunk_first(n) == n:
                 mb.boundaries[n] = Boundary(caches, f_in)
-        grad = contextlib.nullcontext() if mode == GRAPH else torch.no_grad()
-        with grad:
+        with contextlib.nullcontext() if mode == GRAPH else torch.no_grad():
             work = self._run_segment(mb, n, leaf(z_in), {i: leaf_kv(c) for i, c in caches.items()},
                                      leaf(f_in) if plan.last else None)
+            if plan.last:
+                self._read_out(mb, n, work, graph=mode == GRAPH)
         if not plan.last:
-            self._send(work.z_out, self.next_rank, pending)
+            links.send_at(schedule.tick(plan.stage, m, n) + 1, self.next_rank, work.z_out)
         else:
-            self._loss_total += float(work.loss)
-            if self._answers is not None:
-                a, b = mb.segments[n]
-                self._correct_total += int(self.model.answer_correct(
-                    work.z_out, mb.targets[:, a:b], mb.valid[:, a:b], self._answers))
-            if work.u_next is not None:
-                self._send(work.u_next, self.first_rank, pending)
+            if work.u_next is not None:  # stage 0 runs segment n+1 of this micro-batch at that tick
+                links.send_at(schedule.tick(0, m, n + 1), self.first_rank, work.u_next)
             mb.feedback = work.f_next
         if mode == GRAPH:
             mb.work[n] = work
         return work.caches_out
 
-    def _forward(self, micro: list[MicroBatch], mode: str):
-        """Encoder pipeline, then the forward ring; returns this stage's schedule."""
+    def _forward(self, micro: list[MicroBatch], mode: str, timer: WaitTimer | None = None) -> RingSchedule:
+        """Encoder pipeline, then the forward ring; returns the ring's schedule."""
         model, plan = self.model, self.plan
-        pending: list = []
-        self._loss_total, self._correct_total = 0.0, 0
-        for mb in micro:
-            self._encoder_forward(mb, pending)
+        self._sums.zero_()
+        self._encoder_forward(micro)
+        schedule = RingSchedule.of(micro, plan.n_stages)
+        links = self._links(timer)
         if plan.last:
-            for mb in micro:
+            self._sums[2] += sum(mb.valid.sum() for mb in micro)
+            for m, mb in enumerate(micro):
                 mb.pre = self._feedback_in(mb, 0, model.initial_feedback(mb.x.shape[0], mb.x.device))
                 mb.feedback = mb.pre[1]
-                self._send(mb.pre[0], self.first_rank, pending)
-        order = self._tick_order(micro)
-        self._ring_start = time.perf_counter()
+                links.send_at(schedule.tick(0, m, 0), self.first_rank, mb.pre[0])
         caches = {m: {i: model.empty_kv(mb.x.shape[0], mb.x.device) for i in plan.decoder_layers}
                   for m, mb in enumerate(micro)}
-        for _, m, n in order:
-            caches[m] = self._forward_segment(micro[m], n, caches[m], pending, mode)
-        for work in pending:
-            work.wait()
-        return order
+        source = self.prev_rank if not plan.first else self.last_rank
+        if timer:
+            timer.start()
+        for tick in range(schedule.ticks):
+            slot = schedule.work(plan.stage, tick)
+            receive = []
+            if slot is not None:
+                mb = micro[slot[0]]
+                a, b = mb.segments[slot[1]]
+                receive = [(source, self._activation(mb, b - a), model.tp.dtype)]
+            got = links.exchange(tick, receive)
+            if slot is not None:
+                m, n = slot
+                caches[m] = self._forward_segment(micro[m], m, n, got[0], caches[m], links, schedule, mode)
+        links.close()
+        return schedule
 
     # ------------------------------------------------------------ backward
     def _recompute_chunk(self, mb: MicroBatch, n: int) -> None:
-        """Rebuild the graphs of segment n's chunk, up to n, from the state kept at its start."""
+        """Rebuild the graphs of segment n's chunk, which n ends, from the state kept at its start."""
         first = mb.plan.chunk_first(n)
         boundary = mb.boundaries.pop(first)
         caches, feedback = boundary.caches, boundary.feedback
@@ -234,11 +322,16 @@ class RingPipeline:
                                      leaf(feedback) if self.plan.last else None)
             mb.work[earlier] = work
             caches, feedback = work.caches_out, work.f_next
+        if self.plan.last:  # and the chunk's readout and loss
+            chunk = [mb.work[i] for i in range(first, n + 1)]
+            for work in chunk:
+                work.z_read = leaf(work.z_out)
+            c = mb.plan.chunk_of[n]
+            mb.chunk_loss[c] = self._chunk_loss(mb, c, torch.cat([w.z_read for w in chunk], dim=1))
 
-    def _backward_segment(self, mb: MicroBatch, n: int, loss_scale: float, pending: list) -> None:
+    def _backward_segment(self, mb: MicroBatch, m: int, n: int, received: list[torch.Tensor], loss_scale: float,
+                          links: TickExchange, schedule: RingSchedule) -> None:
         plan = self.plan
-        if n not in mb.work:
-            self._recompute_chunk(mb, n)
         work = mb.work[n]
         outputs, grads = [], []
         nxt = mb.work.get(n + 1)
@@ -251,65 +344,81 @@ class RingPipeline:
                         grads.append(lf.grad)
         if not plan.last:
             outputs.append(work.z_out)
-            grads.append(self._recv(work.z_out.shape, work.z_out.dtype, self.next_rank))
+            grads.append(received[0])
         else:
-            outputs.append(work.loss)
-            grads.append(torch.full_like(work.loss, loss_scale))
+            loss = mb.chunk_loss.pop(mb.plan.chunk_of[n], None)
+            if loss is not None:  # backward meets a chunk at its last segment: the readout's backward
+                torch.autograd.backward(loss, torch.full_like(loss, loss_scale))  # grads every segment's output
+            outputs.append(work.z_out)
+            grads.append(work.z_read.grad)
             if work.u_next is not None:
                 outputs.append(work.u_next)
-                grads.append(self._recv(work.u_next.shape, work.u_next.dtype, self.first_rank))
+                grads.append(received[0])
                 if nxt.f_in.grad is not None and work.f_next.requires_grad:
                     outputs.append(work.f_next)
                     grads.append(nxt.f_in.grad)
         torch.autograd.backward(outputs, grads)
-        target = self.prev_rank if not plan.first else self.last_rank
-        self._send(work.z_in.grad, target, pending)
+        # Where the gradient of z_in is needed: by the stage before at the next step, or for stage 0 by
+        # the last stage when it undoes segment n-1 (u_n came from there), or after the ring (u_0).
+        step = schedule.step(schedule.tick(plan.stage, m, n))
+        if not plan.first:
+            links.send_at(step + 1, self.prev_rank, work.z_in.grad)
+        elif n > 0:
+            links.send_at(schedule.step(schedule.tick(plan.n_stages - 1, m, n - 1)), self.last_rank, work.z_in.grad)
+        else:
+            links.send_at(schedule.ticks, self.last_rank, work.z_in.grad)
         if nxt is not None:  # the successor's graph is done with; free it
             del mb.work[n + 1]
 
-    def _backward_pre(self, mb: MicroBatch) -> None:
+    def _backward_pre(self, mb: MicroBatch, grad_u0: torch.Tensor) -> None:
         u0, f0 = mb.pre
-        grad_u0 = self._recv(u0.shape, u0.dtype, self.first_rank)
         outputs, grads = [u0], [grad_u0]
         if mb.work[0].f_in.grad is not None and f0.requires_grad:
             outputs.append(f0)
             grads.append(mb.work[0].f_in.grad)
         torch.autograd.backward(outputs, grads)
 
-    def _encoder_backward(self, mb: MicroBatch, pending: list) -> None:
+    def _backward(self, micro: list[MicroBatch], schedule: RingSchedule, loss_scale: float,
+                  timer: WaitTimer | None = None) -> None:
+        """The backward ring: forward's ticks in reverse, then the gradients of the first merges."""
         plan = self.plan
-        outs, grads = [], []
-        for g in sorted(mb.memory):  # the same order on every stage: replica all-reduces pair up
-            kv, lf = mb.memory[g], mb.memory_leaves[g]
-            for out, leaf_t in ((kv.k, lf.k), (kv.v, lf.v)):
-                grad = leaf_t.grad if leaf_t.grad is not None else torch.zeros_like(leaf_t)
-                if g in self.replica_groups:
-                    dist.all_reduce(grad, group=self.replica_groups[g])
-                outs.append(out)
-                grads.append(grad)
-        if outs:
-            torch.autograd.backward(outs, grads)
-        grad_e = mb.e.grad if mb.e.grad is not None else torch.zeros_like(mb.e)
-        dist.all_reduce(grad_e, group=self.ctx.pp_group)
-        if plan.last:
-            grad_out = grad_e
-        else:
-            grad_out = self._recv(mb.enc_out.shape, mb.enc_out.dtype, self.next_rank)
-        torch.autograd.backward([mb.enc_out], [grad_out])
-        if not plan.first:
-            self._send(mb.enc_in.grad, self.prev_rank, pending)
+        links = self._links(timer)
+        for step in range(schedule.ticks):
+            slot = schedule.work(plan.stage, schedule.step(step))
+            receive = []
+            if slot is not None:
+                m, n = slot
+                mb = micro[m]
+                if n not in mb.work:  # local work first, then wait for the gradient
+                    self._recompute_chunk(mb, n)
+                work = mb.work[n]
+                if not plan.last:
+                    receive = [(self.next_rank, tuple(work.z_out.shape), work.z_out.dtype)]
+                elif work.u_next is not None:
+                    receive = [(self.first_rank, tuple(work.u_next.shape), work.u_next.dtype)]
+            got = links.exchange(step, receive)
+            if slot is not None:
+                self._backward_segment(micro[m], m, n, got, loss_scale, links, schedule)
+        # Stage 0 holds u_0's gradients for one more step, in the order it made them (last micro-batch first).
+        last_first = list(reversed(micro))
+        receive = [(self.first_rank, tuple(mb.pre[0].shape), mb.pre[0].dtype) for mb in last_first if plan.last]
+        got = links.exchange(schedule.ticks, receive)
+        for mb, grad in zip(last_first, got):
+            self._backward_pre(mb, grad)
+        links.close()
 
     # ---------------------------------------------------------------- run
     def _micro_batches(self, batches: list[dict], targets: Targets) -> list[MicroBatch]:
         return [MicroBatch.from_batch(batch, self.model, self.bptt, targets) for batch in batches]
 
-    def _pipeline_sums(self) -> tuple[float, float]:
-        """(summed loss, right answers) of the last pass, from the last stage to every stage."""
-        last = self.plan.last
-        sums = torch.tensor([self._loss_total if last else 0.0, self._correct_total if last else 0.0],
-                            dtype=torch.float64, device=self.ctx.device)
+    def _pipeline_sums(self) -> list[float]:
+        """(summed loss, right answers, valid targets) of the last pass, on every stage.
+
+        Summed on the last stage's device and read here: the pass's one host read.
+        """
+        sums = self._sums.clone()  # zero except on the last stage
         dist.all_reduce(sums, group=self.ctx.pp_group)
-        return float(sums[0]), float(sums[1])
+        return sums.tolist()
 
     def forward_backward(self, batches: list[dict], n_targets: float, targets: Targets = next_token_targets) -> float:
         """Accumulate gradients of sum(loss) / n_targets over ``batches`` (the micro-batches).
@@ -318,22 +427,14 @@ class RingPipeline:
         default). Returns the summed loss of these micro-batches (known on every stage).
         """
         micro = self._micro_batches(batches, targets)
-        order = self._forward(micro, CHECKPOINT if self.bptt.checkpoint else GRAPH)
-        pending: list = []
-        scale = 1.0 / n_targets
-        for _, m, n in reversed(order):
-            self._backward_segment(micro[m], n, scale, pending)
-        if self.plan.last:
-            for mb in reversed(micro):
-                self._backward_pre(mb)
-        self.stats.wall_s = time.perf_counter() - self._ring_start
-        ring_wait = self.stats.wait_s  # the encoder pipeline's waits below are not the ring's bubble
-        for mb in reversed(micro):
-            self._encoder_backward(mb, pending)
-        for work in pending:
-            work.wait()
-        self.stats.wait_s = ring_wait
-        return self._pipeline_sums()[0]
+        timer = WaitTimer(self.ctx.device)
+        schedule = self._forward(micro, CHECKPOINT if self.bptt.checkpoint else GRAPH, timer)
+        self._backward(micro, schedule, 1.0 / n_targets, timer)
+        timer.stop()  # the encoder's backward below is not the ring's
+        self._encoder_backward(micro)
+        loss = self._pipeline_sums()[0]
+        self.stats = RingStats(schedule.ticks, schedule.busy, *timer.totals())
+        return loss
 
     @torch.no_grad()
     def forward_loss(self, batches: list[dict], targets: Targets = next_token_targets,
@@ -341,6 +442,7 @@ class RingPipeline:
         """(summed loss, valid targets, right answers) of ``batches``, forward only (evaluation).
 
         Right answers are counted only when ``answer_tokens`` are given (else 0).
+        ``stats`` keep describing the last training pass.
         """
         micro = self._micro_batches(batches, targets)
         self._answers = answer_tokens
@@ -348,5 +450,5 @@ class RingPipeline:
             self._forward(micro, EVAL)
         finally:
             self._answers = None
-        loss, correct = self._pipeline_sums()
-        return loss, float(sum(int(mb.valid.sum()) for mb in micro)), correct
+        loss, correct, n_valid = self._pipeline_sums()
+        return loss, n_valid, correct

@@ -1,6 +1,6 @@
-"""What the ring pipeline carries around: micro-batches, their segments, one segment's graph.
+"""What the ring pipeline carries around: micro-batches, their segments, one segment's graph, the ticks.
 
-Kept apart from :mod:`rlt_scale.parallel.pipeline` (the schedule and the
+Kept apart from :mod:`rlt_scale.parallel.pipeline` (the passes and their
 communication) so that each file reads on its own.
 """
 
@@ -37,7 +37,7 @@ class SegmentWork:
     f_in: Optional[torch.Tensor] = None       # last stage: feedback used by this segment
     f_next: Optional[torch.Tensor] = None     # last stage: feedback for the next segment
     u_next: Optional[torch.Tensor] = None     # last stage: merged input sent to stage 0
-    loss: Optional[torch.Tensor] = None       # last stage: summed CE of this segment
+    z_read: Optional[torch.Tensor] = None     # last stage, with a graph: leaf of z_out that the chunk's readout reads
 
 
 @dataclass
@@ -67,11 +67,18 @@ class MicroBatch:
     feedback: Optional[torch.Tensor] = None   # last stage: f_next of the newest segment run
     received: dict[int, torch.Tensor] = field(default_factory=dict)  # checkpointing: z_in of every segment
     boundaries: dict[int, Boundary] = field(default_factory=dict)    # checkpointing: state at chunk starts
+    chunk_z: list[torch.Tensor] = field(default_factory=list)        # last stage: outputs of the current chunk so far
+    chunk_loss: dict[int, torch.Tensor] = field(default_factory=dict)  # last stage: summed CE of a chunk, with its graph
 
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """``[a, b)`` of every segment; segments never straddle a chunk boundary."""
         return self.plan.segments
+
+    def ends_chunk(self, n: int) -> bool:
+        """Whether segment ``n`` is the last of its chunk."""
+        chunk_of = self.plan.chunk_of
+        return n + 1 == len(chunk_of) or chunk_of[n + 1] != chunk_of[n]
 
     @classmethod
     def from_batch(cls, batch: dict, model: RLT, bptt: BPTT, targets_of: Targets = next_token_targets) -> "MicroBatch":
@@ -90,9 +97,9 @@ class RingStats:
     busy: int
     """Ticks at which this stage had a segment to run."""
     wall_s: float = 0.0
-    """Wall time of the two ring passes."""
+    """Wall time of the two ring passes (on a GPU: of the CUDA stream)."""
     wait_s: float = 0.0
-    """Part of wall_s spent blocked in receives."""
+    """Part of wall_s spent waiting for messages (on a GPU: the stream stalled on them); see ring_p2p.WaitTimer."""
 
     @property
     def idle_fraction(self) -> float:
@@ -102,3 +109,48 @@ class RingStats:
     @property
     def measured_idle_fraction(self) -> float:
         return self.wait_s / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass(frozen=True)
+class RingSchedule:
+    """Which segment each stage runs at each tick of the decoder ring.
+
+    With ``period = max(M, PP)``, micro-batch m's segment n runs on stage s at
+    tick ``n * period + m + s``: its input was produced at an earlier tick (by
+    stage s-1, or for stage 0 by the last stage at ``(n-1) * period + m + PP-1``).
+    The backward ring runs the same ticks in reverse: the work of forward tick
+    t is undone at backward step ``ticks - 1 - t``.
+    """
+
+    n_stages: int
+    period: int
+    segments: tuple[int, ...]
+    """Number of segments of every micro-batch."""
+
+    @classmethod
+    def of(cls, micro: list[MicroBatch], n_stages: int) -> "RingSchedule":
+        return cls(n_stages, max(len(micro), n_stages), tuple(len(mb.segments) for mb in micro))
+
+    @property
+    def ticks(self) -> int:
+        return self.period * max(self.segments) + self.n_stages - 1
+
+    def tick(self, stage: int, m: int, n: int) -> int:
+        return n * self.period + m + stage
+
+    def step(self, tick: int) -> int:
+        """The backward step that undoes forward tick ``tick``."""
+        return self.ticks - 1 - tick
+
+    def work(self, stage: int, tick: int) -> Optional[tuple[int, int]]:
+        """(micro-batch, segment) that ``stage`` runs at ``tick``, or None when it idles."""
+        j = tick - stage
+        m, n = j % self.period, j // self.period
+        if j >= 0 and m < len(self.segments) and n < self.segments[m]:
+            return m, n
+        return None
+
+    @property
+    def busy(self) -> int:
+        """Ticks at which a stage has a segment to run (every stage runs every segment once)."""
+        return sum(self.segments)
