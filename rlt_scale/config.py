@@ -76,6 +76,17 @@ class ModelConfig:
     """Std of the normal init; output projections are scaled by 1/sqrt(2 * applied depth)."""
     params_dtype: str = "float32"
     """Parameter dtype: float32, float64 (equivalence tests) or bfloat16."""
+    decoder_solver: str = "sequential"
+    """How the decoder's recurrence is solved (same function either way, docs/JACOBI.md):
+    ``sequential`` walks the positions in order; ``jacobi`` runs all positions of a chunk
+    in parallel sweeps until the feedback is a fixed point, with an implicit (adjoint)
+    gradient, and falls back to ``sequential`` where it does not converge."""
+    jacobi_tol: float = 1e-6
+    """Jacobi: stop when every position's feedback moved by at most this much relative to
+    its norm in the last sweep (and the adjoint likewise); 0 runs to the exact solution."""
+    jacobi_max_sweeps: int = 32
+    """Jacobi: sweeps per chunk (forward; the adjoint gets as many) before falling back to
+    the sequential decoder from the first position not yet within jacobi_tol."""
 
     @property
     def head_dim(self) -> int:
@@ -110,6 +121,9 @@ class ModelConfig:
                 f"needs n_enc_layers == n_dec_layers, got {self.n_enc_layers} and {self.n_dec_layers}",
             )
         _choice("model.params_dtype", self.params_dtype, ("float32", "float64", "bfloat16"))
+        _choice("model.decoder_solver", self.decoder_solver, ("sequential", "jacobi"))
+        _positive("model.jacobi_tol", self.jacobi_tol, allow_zero=True)
+        _positive("model.jacobi_max_sweeps", self.jacobi_max_sweeps)
 
 
 @dataclass
@@ -189,7 +203,8 @@ class TrainerConfig:
     chunk_size: int = 0
     """Decoder chunk length C; 0 runs the whole sample as one chunk."""
     activation_checkpointing: str = "none"
-    """'none' keeps all activations; 'chunk' keeps only the state at chunk boundaries."""
+    """'none' keeps all activations; 'chunk' keeps only the decoder state at chunk boundaries; 'full'
+    is 'chunk' plus every encoder layer recomputed in backward (keeps only each layer's input)."""
     tbptt_chunks: int = 0
     """Truncated BPTT: detach the carried state every N chunks; 0 = exact (full) BPTT."""
     tbptt_detach: list[str] = field(default_factory=lambda: ["s", "cache"])
@@ -214,7 +229,7 @@ class TrainerConfig:
             _positive(f"trainer.{name}", getattr(self, name))
         for name in ("chunk_size", "tbptt_chunks", "eval_interval", "eval_batches", "threads"):
             _positive(f"trainer.{name}", getattr(self, name), allow_zero=True)
-        _choice("trainer.activation_checkpointing", self.activation_checkpointing, ("none", "chunk"))
+        _choice("trainer.activation_checkpointing", self.activation_checkpointing, ("none", "chunk", "full"))
         _choice("trainer.precision", self.precision, ("fp32", "bf16", "fp64"))
         _choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         for part in self.tbptt_detach:
@@ -305,13 +320,17 @@ class Config:
             raise ConfigError("trainer.precision", "bf16 autocast with float64 parameters makes no sense")
         if self.trainer.tbptt_chunks and not self.trainer.chunk_size:
             raise ConfigError("trainer.tbptt_chunks", "truncation counts chunks: set trainer.chunk_size > 0")
-        if self.trainer.activation_checkpointing == "chunk" and not self.trainer.chunk_size:
-            raise ConfigError("trainer.activation_checkpointing", "'chunk' needs trainer.chunk_size > 0")
+        if self.trainer.activation_checkpointing != "none" and not self.trainer.chunk_size:
+            raise ConfigError("trainer.activation_checkpointing",
+                              f"'{self.trainer.activation_checkpointing}' needs trainer.chunk_size > 0")
         for name in ("n_heads", "vocab_size"):
             if getattr(self.model, name) % self.parallel.tp:
                 raise ConfigError(f"model.{name}", f"must be divisible by parallel.tp={self.parallel.tp}")
         if self.model.ffn_size % self.parallel.tp:
             raise ConfigError("model.ffn_hidden_size", f"must be divisible by parallel.tp={self.parallel.tp}")
+        if self.model.decoder_solver == "jacobi" and self.parallel.pp > 1:
+            raise ConfigError("model.decoder_solver", f"'jacobi' runs in one pipeline stage; parallel.pp={self.parallel.pp} "
+                                                      "runs the decoder as a ring: use decoder_solver=sequential")
         for name in ("n_enc_layers", "n_dec_layers"):
             if getattr(self.model, name) % self.parallel.pp:
                 raise ConfigError("parallel.pp", f"must divide model.{name}={getattr(self.model, name)}")

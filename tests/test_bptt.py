@@ -63,8 +63,7 @@ def _hand_truncated_loss(model, tokens, mask, chunk, every, detach):
             if "memory" in detach:
                 visible = [m.detach_before(t) for m in memory]
         sl = slice(t, t + 1)
-        mem = [m.first(t + 1) for m in visible]
-        z, state = model.decode_segment(e[:, sl], pos[:, sl], doc[:, sl], mem, state)
+        z, state = model.decode(e[:, sl], pos[:, sl], doc[:, sl], visible, state, offset=t)
         ce = torch.nn.functional.cross_entropy(model.logits(z)[:, 0], targets[:, t], reduction="none")
         total = total + (ce * valid[:, t]).sum()
     return total / valid.sum()

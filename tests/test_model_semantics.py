@@ -152,11 +152,10 @@ def test_feedback_block_reads_previous_block_end(make_model, k):
             block_start = (t // k) * k
             feedback = model.merge.initial_state.expand(2, -1) if block_start == 0 else outputs[block_start - 1]
             z = model.merge(e[:, t:t + 1], feedback)
-            rope = model.rotary(pos[:, t:t + 1])
-            for i, layer in enumerate(model.decoder):
-                mem = memory[model.cfg.memory_group_of(i)].first(t + 1)
-                mask = torch.ones(2, 1, 1, t + 1, dtype=torch.bool)  # one document: all of M_<=t
-                z, caches[i] = layer(z, rope, pos[:, t:t + 1], doc[:, t:t + 1], caches[i], mem, mask)
+            layers = range(len(model.decoder))
+            z, new = model.decoder_layers(z, pos[:, t:t + 1], doc[:, t:t + 1], dict(enumerate(caches)),
+                                          [m.first(t + 1) for m in memory], layers)
+            caches = [new[i] for i in layers]
             outputs.append(z[:, 0])
         reference = model.logits(torch.stack(outputs, 1))
         assert (model(tokens) - reference).abs().max() <= TOL

@@ -22,7 +22,8 @@ def test_analytic_run_writes_json_and_png(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "decoder.1" in text and "ZeRO-1" in text
     data = json.loads(out_json.read_text())
-    assert data["workload"] == {"batch": 2, "seq_len": 32, "chunk_size": 8, "checkpoint": True}
+    assert data["workload"] == {"batch": 2, "seq_len": 32, "chunk_size": 8, "checkpoint": True,
+                                "recompute_encoder": False}
     assert len(data["memory"]["ranks"]) == 2 and data["layout"]["tp"] == 2
     assert data["flops"]["hardware_flops"] > data["flops"]["model_flops"] > 0  # masks + recomputation
     assert data["flops_per_tp_rank"]["hardware_flops"] < data["flops"]["hardware_flops"]

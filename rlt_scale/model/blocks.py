@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model.attention import AttentionPlan, document_attention
 from rlt_scale.model.layers import RMSNorm, Rotary, attend, merge_heads, swiglu, visibility
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
@@ -40,16 +41,23 @@ class Attention(nn.Module):
         self.out = tp.row(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, rope: Rotary, pos, doc, past: KV, window: Optional[int],
-                mask: Optional[torch.Tensor] = None):
+                plan: Optional[AttentionPlan] = None):
         """Attend from ``x`` over ``past`` plus ``x``'s own keys; returns (output, all keys).
 
-        ``mask`` may be passed in when the caller already built it for these keys.
+        Without a past (training, a prompt) every position is a query:
+        :func:`document_attention` runs it in memory linear in the length
+        (``plan``: its tiling for these positions, when the caller made it once for all layers).
+        With a past (generation: a few new positions) the mask is only
+        ``S × (past + S)``, and building it reads nothing on the host.
         """
         q, k, v = _heads(self.qkv(x), self.n_heads, 3)
-        keys = past.cat(KV(rope(k), v, pos, doc))
-        if mask is None:
-            mask = visibility(pos, doc, keys.pos, keys.doc, window)
-        return self.out(merge_heads(attend(rope(q), keys.k, keys.v, mask))), keys
+        has_past = len(past) > 0  # asked before ``cat``, which may grow ``past`` in place
+        q, keys = rope(q), past.cat(KV(rope(k), v, pos, doc))
+        if has_past:
+            out = attend(q, keys.k, keys.v, visibility(pos, doc, keys.pos, keys.doc, window))
+        else:
+            out = document_attention(q, keys.k, keys.v, pos, doc, keys.pos, keys.doc, window, plan=plan)
+        return self.out(merge_heads(out)), keys
 
 
 class FeedForward(nn.Module):
@@ -76,8 +84,8 @@ class EncoderBlock(nn.Module):
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
         self.ffn = FeedForward(cfg, tp)
 
-    def forward(self, x, rope: Rotary, pos, doc, past: KV):
-        a, keys = self.attn(self.norm_attn(x), rope, pos, doc, past, window=None)
+    def forward(self, x, rope: Rotary, pos, doc, past: KV, plan: Optional[AttentionPlan] = None):
+        a, keys = self.attn(self.norm_attn(x), rope, pos, doc, past, window=None, plan=plan)
         x = x + a
         return x + self.ffn(self.norm_ffn(x)), keys
 
@@ -120,8 +128,14 @@ class FeedbackMerge(nn.Module):
         nn.init.zeros_(self.gate.bias)
 
     def forward(self, e: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        """``e`` ``[B, S, d]``; ``s`` ``[B, d]`` is shared by the S positions."""
-        r = self.norm(s)[:, None].expand_as(e)
+        """``e`` ``[B, S, d]``; ``s`` ``[B, d]`` is shared by the S positions.
+
+        ``s`` may also be ``[B, S, d]``, one feedback per position: the
+        parallel-in-time solver (:mod:`rlt_scale.training.jacobi`) merges
+        every position of a chunk with its own guess at once.
+        """
+        r = self.norm(s)
+        r = r[:, None].expand_as(e) if s.dim() == 2 else r
         g = torch.sigmoid(self.gate(torch.cat([e, r], dim=-1)))
         return e + self.scale * g * self.proj(r)
 
@@ -143,16 +157,16 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, pos, doc, cache: KV, memory: KV, cross_mask,
-                window_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, KV]:
-        """Run positions ``[B, S]`` that share one feedback; returns (z, updated window cache).
+    def forward(self, z, rope: Rotary, self_attend, cross_attend) -> torch.Tensor:
+        """Run positions ``[B, S]`` that share one feedback.
 
-        ``cross_mask`` ``[B, 1, S, N]`` says which of the N memory entries each
-        position may read; ``window_mask`` (optional) which cache + segment keys.
+        The caller owns where keys live: ``self_attend(q, k, v)`` attends
+        over the window (the cache plus these rotated keys, which it also
+        records), ``cross_attend(q)`` over the memory entries these positions
+        may read (see :mod:`rlt_scale.model.window`).
         """
-        a, keys = self.attn(self.norm_attn(z), rope, pos, doc, cache, window=self.window, mask=window_mask)
-        z = z + a
+        q, k, v = _heads(self.attn.qkv(self.norm_attn(z)), self.n_heads, 3)
+        z = z + self.attn.out(merge_heads(self_attend(rope(q), rope(k), v)))
         q = rope(_heads(self.cross_q(self.norm_cross(z)), self.n_heads, 1)[0])
-        z = z + self.cross_out(merge_heads(attend(q, memory.k, memory.v, cross_mask)))
-        z = z + self.ffn(self.norm_ffn(z))
-        return z, keys.last(self.window - 1)
+        z = z + self.cross_out(merge_heads(cross_attend(q)))
+        return z + self.ffn(self.norm_ffn(z))

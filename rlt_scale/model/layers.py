@@ -8,6 +8,7 @@ the same document (see :func:`visibility`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -77,6 +78,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     Every query sees at least its own position, so no row is fully masked.
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def autocast_of(t: torch.Tensor) -> Optional[torch.dtype]:
+    """The autocast dtype in force for ``t``'s device type now, or None: what a custom
+    autograd Function records in forward so that its backward can restore it."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def autocast_as(t: torch.Tensor, dtype: Optional[torch.dtype]):
+    """Run under the autocast that :func:`autocast_of` recorded. Autograd runs a custom
+    Function's backward outside the forward's autocast; without this a bf16 forward
+    would meet an fp32 backward (mixed-dtype matmuls, or silently other numbers)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(t.device.type, dtype=dtype)
 
 
 def split_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:

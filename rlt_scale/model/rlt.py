@@ -19,16 +19,20 @@ gives the same numbers, because they all read the same feedback.
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model.attention import plan_attention
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
-from rlt_scale.model.layers import RMSNorm, Rotary, document_positions, visibility
+from rlt_scale.model.layers import RMSNorm, Rotary, attend, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
+from rlt_scale.model.window import MemoryKeys, WindowKeys
 
 
 class RLT(nn.Module):
@@ -79,20 +83,32 @@ class RLT(nn.Module):
     def empty_kv(self, batch: int, device) -> KV:
         return KV.empty(batch, self.n_local_heads, self.cfg.head_dim, self.tp.dtype, device)
 
-    def encode(self, tokens, pos, doc, past: Optional[list[KV]] = None) -> tuple[torch.Tensor, list[KV]]:
+    def encode(self, tokens, pos, doc, past: Optional[list[KV]] = None,
+               recompute: bool = False) -> tuple[torch.Tensor, list[KV]]:
         """Encoder output ``e`` ``[B, S, d]`` (no final norm) and each layer's keys.
 
         ``past`` (generation) holds earlier positions' encoder keys; training
         encodes the whole sample at once with ``past=None``.
         """
-        return self.encoder_layers(self.embed(tokens), pos, doc, range(len(self.encoder)), past)
+        return self.encoder_layers(self.embed(tokens), pos, doc, range(len(self.encoder)), past, recompute)
 
-    def encoder_layers(self, x, pos, doc, layers, past: Optional[list[KV]] = None) -> tuple[torch.Tensor, list[KV]]:
-        """Encoder layers ``layers`` (indices, in order) over ``x``; a pipeline stage runs its own."""
+    def encoder_layers(self, x, pos, doc, layers, past: Optional[list[KV]] = None,
+                       recompute: bool = False) -> tuple[torch.Tensor, list[KV]]:
+        """Encoder layers ``layers`` (indices, in order) over ``x``; a pipeline stage runs its own.
+
+        ``recompute``: keep only each layer's input and rebuild the layer in
+        backward (``activation_checkpointing: full``).
+        """
         rope = self.rotary(pos)
+        # Without a past every layer attends over the same positions: one tiling (one host read) for all.
+        plan = None if past else plan_attention(pos, doc, pos, doc)
         keys = []
         for i in layers:
-            x, kv = self.encoder[i](x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device))
+            args = (x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device), plan)
+            if recompute and torch.is_grad_enabled():
+                x, kv = checkpoint(self.encoder[i], *args, use_reentrant=False)
+            else:
+                x, kv = self.encoder[i](*args)
             keys.append(kv)
         return x, keys
 
@@ -158,63 +174,69 @@ class RLT(nn.Module):
         return torch.where(block_end, z[:, -1], feedback)
 
     def decoder_layers(self, z, pos, doc, caches: dict[int, KV], memory: list[KV], layers,
-                       rope: Optional[Rotary] = None, cross_mask: Optional[torch.Tensor] = None,
-                       window_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[int, KV]]:
-        """One step of decoder layers ``layers`` over a segment: ``z`` and each layer's new cache.
+                       rope: Optional[Rotary] = None) -> tuple[torch.Tensor, dict[int, KV]]:
+        """Decoder layers ``layers`` over one segment whose keys arrive as separate tensors.
 
-        The one decoder step every path runs: a whole stack in one process,
-        a pipeline stage's share in the ring. ``memory`` is indexed by group;
-        ``rope`` and the masks are derived from ``pos``/``doc`` when not given.
+        A pipeline stage's step in the ring, where every segment's caches
+        and memory are leaves of their own small graph: each layer's window
+        is its cache concatenated with the segment's keys, and its new cache
+        the newest ``W-1`` of those. ``memory`` is indexed by group and holds
+        the entries up to the segment's end. One process walks whole chunks
+        with :meth:`decode` instead, which writes keys in place.
         """
         rope = rope if rope is not None else self.rotary(pos)
-        if cross_mask is None:
-            first = memory[self.cfg.memory_group_of(layers[0])]
-            cross_mask = visibility(pos, doc, first.pos, first.doc)
-        if window_mask is None:  # every layer's cache holds the same positions: one mask serves all
-            cached = caches[layers[0]]
-            window_mask = visibility(pos, doc, torch.cat([cached.pos, pos], 1), torch.cat([cached.doc, doc], 1),
-                                     self.cfg.window)
+        first, cached = memory[self.cfg.memory_group_of(layers[0])], caches[layers[0]]
+        cross_mask = visibility(pos, doc, first.pos, first.doc)
+        # every layer's cache holds the same positions: one mask serves all
+        window_mask = visibility(pos, doc, torch.cat([cached.pos, pos], 1), torch.cat([cached.doc, doc], 1),
+                                 self.cfg.window)
         out = {}
         for i in layers:
-            z, out[i] = self.decoder[i](z, rope, pos, doc, caches[i], memory[self.cfg.memory_group_of(i)],
-                                        cross_mask, window_mask)
+            keys = []
+
+            def self_attend(q, k, v, cache=caches[i]):
+                keys.append(cache.cat(KV(k, v, pos, doc)))
+                return attend(q, keys[0].k, keys[0].v, window_mask)
+
+            mem = memory[self.cfg.memory_group_of(i)]
+            z = self.decoder[i](z, rope, self_attend, lambda q, mem=mem: attend(q, mem.k, mem.v, cross_mask))
+            out[i] = keys[0].last(self.cfg.window - 1)
         return z, out
-
-    def decode_segment(self, e, pos, doc, memory: list[KV], state: DecoderState,
-                       rope: Optional[Rotary] = None, cross_mask: Optional[torch.Tensor] = None):
-        """Decoder over positions that all read the same feedback ``state.s``.
-
-        ``rope`` and ``cross_mask`` may be passed in precomputed (``decode``
-        builds them once per chunk); they are derived from ``pos``/``doc``
-        otherwise.
-        """
-        u, feedback = self.feedback_in(e, pos, state.s)
-        layers = range(len(self.decoder))
-        z, caches = self.decoder_layers(u, pos, doc, dict(enumerate(state.caches)), memory, layers, rope, cross_mask)
-        return z, DecoderState(self.carry(z, pos, feedback), [caches[i] for i in layers])
 
     def decode(self, e, pos, doc, memory: list[KV], state: DecoderState, offset: int = 0,
                segments: Optional[list[tuple[int, int]]] = None):
-        """Walk the decoder over ``e`` ``[B, S, d]`` carrying ``state``.
+        """Walk the decoder over a chunk ``e`` ``[B, S, d]`` carrying ``state``.
 
         ``segments`` are the chunk's ``[a, b)`` cuts (relative to it, from the
         batch's segment plan); by default :func:`feedback_segments` of ``pos``.
         ``memory`` holds entries for absolute positions ``0..``; the segment
         ``[a, b)`` of this chunk reads entries ``< offset + b`` (the mask hides
-        the rest of the future and other documents). Rotary tables and the
-        cross-attention mask are built once here and sliced per segment.
+        the rest of the future and other documents).
+
+        Every layer writes its keys in place into one store for the chunk
+        (:mod:`rlt_scale.model.window`), so what backward keeps grows with
+        the chunk, not with the window, and no per-position slice of ``e`` or
+        of the memory costs a full-length gradient.
         """
-        end = offset + e.shape[1]
+        segments = segments if segments is not None else feedback_segments(pos, self.cfg.feedback_block)
         rope = self.rotary(pos)
-        cross_mask = visibility(pos, doc, memory[0].pos[:, :end], memory[0].doc[:, :end])
-        outputs = []
-        for a, b in segments if segments is not None else feedback_segments(pos, self.cfg.feedback_block):
-            mem = [m.first(offset + b) for m in memory]
-            z, state = self.decode_segment(
-                e[:, a:b], pos[:, a:b], doc[:, a:b], mem, state, rope.rows(a, b), cross_mask[:, :, a:b, : offset + b]
-            )
+        carried = state.caches[0]  # every layer's cache holds the same positions
+        key_pos, key_doc = torch.cat([carried.pos, pos], 1), torch.cat([carried.doc, doc], 1)
+        windows = [WindowKeys(cache, key_pos, key_doc, self.cfg.window) for cache in state.caches]
+        reads = [MemoryKeys(m, offset, e.shape[1]) for m in memory]
+        groups = [reads[self.cfg.memory_group_of(i)] for i in range(len(self.decoder))]
+        s, outputs = state.s, []
+        for (a, b), e_seg in zip(segments, e.split([b - a for a, b in segments], dim=1)):
+            seg_pos, seg_doc, seg_rope = pos[:, a:b], doc[:, a:b], rope.rows(a, b)
+            z, feedback = self.feedback_in(e_seg, seg_pos, s)
+            for layer, window, read in zip(self.decoder, windows, groups):
+                z = layer(z, seg_rope, partial(window.attend, a=a, b=b),
+                          partial(read.attend, q_pos=seg_pos, q_doc=seg_doc, a=a, b=b))
+            s = self.carry(z, seg_pos, feedback)
             outputs.append(z)
-        return torch.cat(outputs, dim=1), state
+        for read in reads:
+            read.close()
+        return torch.cat(outputs, dim=1), DecoderState(s, [w.close() for w in windows])
 
     # ------------------------------------------------------- teacher forcing
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -6,13 +6,16 @@ Examples::
     rlt-profile configs/rlt-100m.yaml --seq-len 1024 --tp 2 --pp 2 --dp 8 --zero 1
     rlt-profile configs/tiny.yaml --seq-len 128 --batch 4 --measure --steps 3
     rlt-profile model.feedback_block=0 model.window=32 --seq-len 512 --json out.json --png out.png
+    rlt-profile configs/rlt-48x48.yaml --seq-len 4096 --hbm h100 --sequences 1 8 64
 
 Without ``--measure`` nothing runs: the numbers come from the cost model
 (:mod:`.flops`, :mod:`.memory`). ``--measure`` runs the model on this machine
 (CPU or ``--device cuda``) for a few steps, counts FLOPs with
 ``FlopCounterMode``, attributes FLOPs, op time and memory per layer, measures
 the matmul peak in the same process (or takes ``--peak-tflops``), and prints
-analytic and measured side by side.
+analytic and measured side by side. Last comes the decoder step's
+bandwidth bound against the FLOP bound for several sequences per step
+(:mod:`.bandwidth`): which one binds, and what more sequences buy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlt_scale.config import load_config
+from rlt_scale.profiling.bandwidth import HBM_BYTES_PER_S, bound_table, decoder_step_bound
 from rlt_scale.profiling.flops import analytic_flops
 from rlt_scale.profiling.memory import Layout, analytic_memory
 from rlt_scale.profiling.peak import PeakFlops, measure_peak, named_peak
@@ -45,6 +49,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ckpt.add_argument("--checkpoint", dest="checkpoint", action="store_true", default=None,
                       help="chunk activation checkpointing (default: trainer.activation_checkpointing)")
     ckpt.add_argument("--no-checkpoint", dest="checkpoint", action="store_false")
+    ckpt.add_argument("--full-checkpoint", dest="checkpoint", action="store_const", const="full",
+                      help="chunk checkpointing plus every encoder layer recomputed (activation_checkpointing: full)")
     p.set_defaults(checkpoint=None)
     p.add_argument("--tp", type=int, help="tensor-parallel size (default parallel.tp)")
     p.add_argument("--pp", type=int, help="pipeline-parallel size (default parallel.pp)")
@@ -57,6 +63,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda (measured mode)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: trainer.threads, else torch's choice)")
     p.add_argument("--peak-tflops", type=float, help="use this peak instead of measuring one")
+    p.add_argument("--hbm", default="h100",
+                   help="memory bandwidth of the decoder-step bound: h100, h200, a100 or TB/s (default h100)")
+    p.add_argument("--sequences", type=int, nargs="+",
+                   help="sequences per decoder step to tabulate (default: 1, the micro-batch, 8, 64, 512)")
     p.add_argument("--json", help="write everything here (default profiles/<name>.json)")
     p.add_argument("--png", help="write the chart here (default profiles/<name>.png)")
     p.add_argument("--no-png", action="store_true", help="skip the chart")
@@ -72,9 +82,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = load_config(args.config, args.overrides)
     t, par = cfg.trainer, cfg.parallel
     chunk = t.chunk_size if args.chunk is None else args.chunk
-    checkpoint = (t.activation_checkpointing == "chunk") if args.checkpoint is None else args.checkpoint
+    mode = t.activation_checkpointing if args.checkpoint is None else (
+        args.checkpoint if isinstance(args.checkpoint, str) else ("chunk" if args.checkpoint else "none"))
     work = Workload(batch=args.batch or t.micro_batch_size, seq_len=args.seq_len,
-                    chunk_size=chunk if chunk < args.seq_len else 0, checkpoint=checkpoint)
+                    chunk_size=chunk if chunk < args.seq_len else 0, checkpoint=mode != "none",
+                    recompute_encoder=mode == "full")
     layout = Layout(tp=args.tp or par.tp, pp=args.pp or par.pp, dp=args.dp or par.dp or 1,
                     zero_stage=par.zero_stage if args.zero is None else args.zero,
                     microbatches_in_flight=args.in_flight, dp_bucket_mb=args.bucket_mb)
@@ -109,6 +121,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(rank_table(mem))
     print()
     print(summary_lines(flops, peak, measured))
+    print()
+    bandwidth = HBM_BYTES_PER_S.get(args.hbm.lower()) or float(args.hbm) * 1e12
+    sequences = args.sequences or sorted({1, work.batch, 8, 64, 512})
+    bound_kw = dict(bandwidth=bandwidth, **({"peak_flops": args.peak_tflops * 1e12} if args.peak_tflops else {}))
+    print(bound_table(cfg.model, work.seq_len, layout.tp, layout.pp, sequences, **bound_kw))
 
     payload = {
         "config": args.config, "overrides": args.overrides, "model": asdict(cfg.model),
@@ -118,6 +135,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "peak": peak.to_dict() if peak else None,
         "measured": measured.to_dict() if measured else None,
         "utilisation": asdict(Utilisation.of(flops, measured.step_s, peak)) if measured and peak else None,
+        "decoder_step_bound": [decoder_step_bound(cfg.model, work.seq_len, n, layout.tp, layout.pp, **bound_kw).to_dict()
+                               for n in sequences],
     }
     json_path = write_json(args.json or f"profiles/{name}.json", payload)
     print(f"\nwrote {json_path}")

@@ -11,23 +11,23 @@ Activations are what autograd keeps for backward *in this implementation*,
 per micro-batch (the measured mode prints the same quantity, and the tests
 hold the two within a few percent). Per token and layer they are a few
 ``d``-sized tensors (norm outputs, residuals, q/k/v/out of each attention,
-``4 f`` for SwiGLU), plus three terms that are not per token:
+``4 f`` for SwiGLU), plus terms that are not per token:
 
-* attention masks: the code passes boolean masks that SDPA turns into a
-  dense float mask and saves, one float per executed (query, key) pair:
-  ``T^2`` per encoder layer and, for the decoder, the cross-attention's
-  ``sum_t t``: quadratic in ``T`` even with K=1;
-* window keys: each decoder segment concatenates its cache with the new
-  keys, so a segment of ``S`` positions with ``c`` cached entries saves
-  ``(c + S) * 2d``: with K=1 that is ``min(t, W) * 2d`` per position;
+* no attention masks: the encoder's causal attention runs SDPA's
+  ``is_causal`` kernel for single documents, or query tiles that build each
+  tile's mask on the fly for packed ones (``rlt_scale/model/attention.py``),
+  so nothing O(T^2) is kept (these samples are single documents);
+* decoder keys: one store per layer and chunk holds the chunk's keys and
+  values plus the ``W-1`` carried ones, written in place; each attention
+  saves its queries only (``rlt_scale/model/window.py``), so the decoder
+  keeps O(T d) whatever the window and the memory length;
 * rotary tables (``head_dim`` per token per table), the loss's
   log-probabilities (``V`` per token) and the carried state ``s``.
 
 With chunk checkpointing a chunk's merge, decoder and readout activations
 are dropped after forward and rebuilt in backward; what forward keeps is the
 encoder and memory (O(T)), plus, per chunk boundary, the carried state
-``(s, window caches)`` (O(T/C)); backward adds one chunk's activations
-(O(C), times the memory length for the cross-attention mask).
+``(s, window caches)`` (O(T/C)); backward adds one chunk's activations (O(C)).
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ class LayerMemory:
     activation_bytes: int
     """Kept for backward at the end of forward, one micro-batch, no checkpointing."""
     activation_bytes_ckpt: int
-    """The same with chunk checkpointing (at the workload's chunk size)."""
+    """The same with chunk checkpointing (at the workload's chunk size; encoder layers too when recomputed)."""
     recompute_bytes: int
-    """Rebuilt in backward for the largest chunk under checkpointing."""
+    """Rebuilt in backward under checkpointing: the largest chunk, or the whole layer for a recomputed encoder."""
     state_bytes: int
     """Recurrent state: window caches (decoder) or the encoder memory (memory groups)."""
 
@@ -189,10 +189,10 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
     segments = list(zip(plan.segments, plan.chunk_of))
     chunk_ends = {b for _, b in plan.chunks}
 
-    def attention(s: int, keys: int) -> int:
-        """One attention over ``s`` queries and ``keys`` keys: q, out, logsumexp, the float mask."""
+    def attention(s: int) -> int:
+        """One causal attention over ``s`` queries: q, out, logsumexp (no mask: ``is_causal``)."""
         merge_copy = d_tp if s > 1 else 0  # merge_heads copies unless a single position
-        return s * (2 * d_tp + h_tp + merge_copy) + s * keys
+        return s * (2 * d_tp + h_tp + merge_copy)
 
     out: dict[str, dict[str, int]] = OrderedDict()
 
@@ -203,7 +203,11 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
     put("embed", bsz * t_len * d * p)
     per_token = 2 * norm + 2 * d + 4 * f_tp + 2 * d_tp   # norms, residuals, SwiGLU, k and v
     for i in range(cfg.n_enc_layers):
-        put(f"encoder.{i}", bsz * p * (t_len * per_token + attention(t_len, t_len)))
+        held = bsz * p * (t_len * per_token + attention(t_len))
+        if work.recompute_encoder:  # forward keeps the layer's output (the next one's input) only
+            put(f"encoder.{i}", held, held_ckpt=bsz * t_len * d * p, recompute=held)
+        else:
+            put(f"encoder.{i}", held)
     for g in range(cfg.memory_groups):
         # the fused k|v output (v is a view of it) and the rotated k
         held = bsz * t_len * (norm + 3 * d_tp) * p
@@ -217,29 +221,28 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
             per_chunk[c] = per_chunk.get(c, 0) + s * 6 * d + (norm if s == 1 else d + 1 + s * d)
         put("merge", bsz * p * sum(per_chunk.values()), held_ckpt=0,
             recompute=bsz * p * max(per_chunk.values()))
+    chunks = [(a, b, min(w - 1, a)) for a, b in plan.chunks]  # each chunk's span and carried cache
     for i in range(cfg.n_dec_layers):
         residuals = 3 if i < cfg.n_dec_layers - 1 else 2  # the last layer's output is not saved
-        per_tok = 3 * norm + residuals * d + 4 * f_tp
-        per_chunk = {}
-        boundary = final = 0
-        for (a, b), c in segments:
-            s, cache = b - a, min(w - 1, a)
-            elems = s * per_tok + attention(s, cache + s) + attention(s, b) + (cache + s) * 2 * d_tp
-            per_chunk[c] = per_chunk.get(c, 0) + elems
-            if b in chunk_ends:
-                # the carried cache is a view of this segment's concatenated keys, with int64 pos/doc
-                boundary += (cache + s) * (2 * d_tp * p + 2 * INDEX_BYTES)
-                final = (cache + s) * 2 * INDEX_BYTES
+        # norms, residuals, SwiGLU, and per attention (window and memory) the queries it saves
+        # and its output; keys live in one store per chunk, written in place (model/window.py),
+        # so nothing here depends on the window W beyond the W-1 carried slots.
+        per_tok = 3 * norm + residuals * d + 4 * f_tp + 2 * 2 * d_tp
+        per_chunk = [(b - a) * per_tok + (cache + b - a) * 2 * d_tp for a, b, cache in chunks]
         state = bsz * (w - 1) * (2 * d_tp * p + 2 * INDEX_BYTES)
-        put(f"decoder.{i}", bsz * (p * sum(per_chunk.values()) + final), held_ckpt=bsz * boundary,
-            recompute=bsz * p * max(per_chunk.values()), state=state)
+        put(f"decoder.{i}", bsz * p * sum(per_chunk), held_ckpt=0,
+            recompute=bsz * p * max(per_chunk), state=state)
     put("readout", bsz * t_len * norm * p, held_ckpt=0, recompute=bsz * work.chunk * norm * p)
     # Outside the modules: rotary tables (encoder, memory, decoder), the concatenated decoder
-    # output, log-probabilities, targets and their mask; the fed-back s of every segment.
+    # output, log-probabilities, targets and their mask; the fed-back s of every segment; each
+    # chunk's key positions/documents (int64), and the window caches it hands on (copies of its
+    # newest W-1 keys): only the last chunk's are kept, or every chunk's under checkpointing.
     bookkeeping = bsz * t_len * (INDEX_BYTES + 1)
+    bookkeeping += sum(bsz * (cache + b - a) * 2 * INDEX_BYTES for a, b, cache in chunks)
     s_per = bsz * d * p if cfg.feedback_block else 0
-    put("other", bsz * t_len * (3 * hd + d + v_tp) * p + bookkeeping + len(segments) * s_per,
-        held_ckpt=bsz * t_len * 2 * hd * p + bookkeeping + len(chunk_ends) * s_per,
+    handed_on = [cfg.n_dec_layers * bsz * min(w - 1, b) * 2 * d_tp * p for _, b, _ in chunks]
+    put("other", bsz * t_len * (3 * hd + d + v_tp) * p + bookkeeping + len(segments) * s_per + handed_on[-1],
+        held_ckpt=bsz * t_len * 2 * hd * p + bookkeeping + len(chunk_ends) * s_per + sum(handed_on),
         recompute=bsz * work.chunk * (hd + d + v_tp) * p)
     return out
 
@@ -280,8 +283,11 @@ def _rank(cfg, work, layout: Layout, p: int, stage: int, layers: list[LayerMemor
         param_bytes //= dp
     m = layout.in_flight
     acts = m * sum(x.activation_bytes for x in layers)
-    # Backward rebuilds one chunk at a time, but all of that chunk's layers on this stage at once.
-    acts_ckpt = m * sum(x.activation_bytes_ckpt for x in layers) + sum(x.recompute_bytes for x in layers)
+    # Backward rebuilds one decoder chunk at a time, but all of that chunk's layers on this stage at
+    # once; after the decoder, one recomputed encoder layer at a time.
+    encoder = [x.recompute_bytes for x in layers if x.layer.startswith("encoder.")]
+    rebuilt = max(sum(x.recompute_bytes for x in layers if not x.layer.startswith("encoder.")), max(encoder, default=0))
+    acts_ckpt = m * sum(x.activation_bytes_ckpt for x in layers) + rebuilt
     return RankMemory(stage, param_bytes, grad_bytes, opt_bytes, acts, acts_ckpt,
                       _comm_buffers(cfg, work, layout, p, n_params))
 

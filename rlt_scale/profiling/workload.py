@@ -32,6 +32,8 @@ class Workload:
     seq_len: int = 256
     chunk_size: int = 0
     checkpoint: bool = False
+    recompute_encoder: bool = False
+    """Also recompute every encoder layer in backward (``activation_checkpointing: full``)."""
 
     @property
     def chunk(self) -> int:
@@ -43,7 +45,7 @@ class Workload:
         return self.batch * self.seq_len
 
     def bptt(self) -> BPTT:
-        return BPTT(chunk_size=self.chunk_size, checkpoint=self.checkpoint)
+        return BPTT(chunk_size=self.chunk_size, checkpoint=self.checkpoint, recompute_encoder=self.recompute_encoder)
 
     def plan(self, feedback_block: int) -> SegmentPlan:
         """The segment plan of this workload's samples (one document each) for feedback blocks of K."""
@@ -52,7 +54,7 @@ class Workload:
     def describe(self) -> str:
         ckpt = f", chunks of {self.chunk} checkpointed" if self.checkpoint else (
             f", chunks of {self.chunk}" if self.chunk_size else "")
-        return f"B={self.batch} x T={self.seq_len}{ckpt}"
+        return f"B={self.batch} x T={self.seq_len}{ckpt}" + (", encoder recomputed" if self.recompute_encoder else "")
 
 
 def make_model(cfg: ModelConfig, seed: int = 0, device: str = "cpu") -> RLT:

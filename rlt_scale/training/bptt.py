@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_scale.model.layers import document_positions
 from rlt_scale.model.rlt import RLT, feedback_segments
 from rlt_scale.model.state import KV, DecoderState
+from rlt_scale.training import jacobi
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,13 @@ class BPTT:
     """Cut the carried state every N chunks; 0 = exact BPTT."""
     detach: frozenset[str] = field(default_factory=lambda: frozenset({"s", "cache"}))
     """What a truncation cuts: 's', 'cache' and/or 'memory'."""
+    recompute_encoder: bool = False
+    """Recompute each encoder layer in backward, keeping only its input (``activation_checkpointing: full``)."""
 
     @classmethod
     def from_trainer(cls, t) -> "BPTT":
-        return cls(t.chunk_size, t.activation_checkpointing == "chunk", t.tbptt_chunks, frozenset(t.tbptt_detach))
+        return cls(t.chunk_size, t.activation_checkpointing in ("chunk", "full"), t.tbptt_chunks,
+                   frozenset(t.tbptt_detach), recompute_encoder=t.activation_checkpointing == "full")
 
     def describe(self) -> str:
         grad = "exact BPTT"
@@ -81,11 +85,11 @@ class SegmentPlan:
         length = pos.shape[1]
         size = bptt.chunk_size if 0 < bptt.chunk_size < length else length
         chunks = tuple((a, min(a + size, length)) for a in range(0, length, size))
-        segments, chunk_of = [], []
-        for c, (a, b) in enumerate(chunks):
-            for sa, sb in feedback_segments(pos[:, a:b], feedback_block):
-                segments.append((a + sa, a + sb))
-                chunk_of.append(c)
+        # Feedback blocks are cut once for the whole batch (for K > 1 that reads the positions on the
+        # host: once per batch, not once per chunk), then also at every chunk start.
+        starts = sorted({a for a, _ in feedback_segments(pos, feedback_block)} | {a for a, _ in chunks})
+        segments = list(zip(starts, starts[1:] + [length]))
+        chunk_of = [a // size for a, _ in segments]
         n = bptt.tbptt_chunks
         truncated = tuple(bool(n) and c > 0 and c % n == 0 for c in range(len(chunks)))
         return cls(chunks, tuple(segments), tuple(chunk_of), truncated)
@@ -185,11 +189,13 @@ def run_sequence(
     batch = x.shape[0]
     pos = document_positions(doc)
     plan = SegmentPlan.build(pos, model.cfg.feedback_block, bptt)
-    e, _ = model.encode(x, pos, doc)
+    e, _ = model.encode(x, pos, doc, recompute=bptt.recompute_encoder)
     memory: list[KV] = model.build_memory(e, pos, doc)
     visible_memory = memory
     state = model.initial_state(batch, x.device)
 
+    # model.decoder_solver=jacobi: each chunk's decoder solved in parallel sweeps (jacobi.py)
+    parallel_in_time = jacobi.solver_for(model.cfg) is not None
     total = torch.zeros((), dtype=e.dtype, device=x.device)
     correct = torch.zeros((), dtype=torch.long, device=x.device) if answer_tokens is not None else None
     all_logits = []
@@ -200,7 +206,9 @@ def run_sequence(
                 visible_memory = [m.detach_before(a) for m in memory]
         args = (model, e[:, a:b], pos[:, a:b], doc[:, a:b], visible_memory, state, a, plan.chunk_segments(c),
                 targets[:, a:b], valid[:, a:b], want_logits and not bptt.checkpoint, answer_tokens)
-        if bptt.checkpoint and torch.is_grad_enabled():
+        if parallel_in_time:  # keeps only the fixed point; recomputes the readout when checkpointing
+            loss_sum, state, logits, right = jacobi.chunk_loss(*args, recompute=bptt.checkpoint and torch.is_grad_enabled())
+        elif bptt.checkpoint and torch.is_grad_enabled():
             loss_sum, state, logits, right = checkpoint(_chunk_loss, *args, use_reentrant=False)
         else:
             loss_sum, state, logits, right = _chunk_loss(*args)

@@ -39,6 +39,7 @@ from rlt_scale.model.rlt import RLT, answer_predictions
 from rlt_scale.parallel.data_parallel import dp_sum, reduce_gradients
 from rlt_scale.parallel.grad_norm import clip_grads
 from rlt_scale.training.bptt import BPTT, Targets, next_token_targets, run_sequence
+from rlt_scale.training import jacobi
 
 @dataclass(frozen=True)
 class Objective:
@@ -152,8 +153,9 @@ class Engine:
         return getattr(self.sync, "zero", None)
 
     def metrics(self) -> dict:
-        """What this layout adds to a logged step."""
-        return {}
+        """What this layout adds to a logged step: the Jacobi decoder's sweeps, residuals and
+        fall-backs since the last logged step, when it ran (``model.decoder_solver``)."""
+        return jacobi.STATS.drain()
 
     @torch.no_grad()
     def forward_loss(self, batches: list[dict], objective: Objective = Objective()) -> LossSums:
