@@ -20,6 +20,10 @@
 #   SHUTDOWN_TIMEOUT [100] seconds the workers get after a stop signal to checkpoint before SIGKILL
 #   DEEPSPEED [.venv/bin/deepspeed]
 #   PYTHON [.venv/bin/python]  runs rlt_scale.launcher, which runs DEEPSPEED
+#   CUDA_DEVICE_MAX_CONNECTIONS [1]  see below. DeepSpeed passes only NCCL*, PYTHON*, UCX*,
+#                          MV2* and MLFLOW* variables on to the other hosts of a HOSTFILE: for
+#                          them, put the line CUDA_DEVICE_MAX_CONNECTIONS=1 in a .deepspeed_env
+#                          file (home or working directory; DS_ENV_FILE names it)
 # On CPU-only machines the launcher starts NPROC_PER_NODE (or slots=N) CPU processes.
 # The deepspeed launcher does not restart failed workers: for restarts and
 # elastic node counts use launch/torchrun.sh or launch/slurm.sh.
@@ -38,6 +42,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DEEPSPEED=${DEEPSPEED:-.venv/bin/deepspeed}
 PYTHON=${PYTHON:-.venv/bin/python}
+# megatron-core's TP layers overlap their communication with computation only
+# when the GPU runs kernels in the order they were queued: one hardware queue.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 args=(--master_port "${MASTER_PORT:-29500}")
 if [[ -n "${HOSTFILE:-}" ]]; then
   [[ -f "$HOSTFILE" ]] || { echo "launch/deepspeed.sh: HOSTFILE=$HOSTFILE does not exist" >&2; exit 2; }

@@ -6,7 +6,8 @@
 #
 #   sbatch launch/slurm.sh configs/tiny.yaml trainer.max_steps=200
 #   sbatch --nodes=4 --time=24:00:00 launch/slurm.sh configs/rlt-100m.yaml
-#   NPROC_PER_NODE=8 MIN_NODES=2 sbatch --nodes=4 --gpus-per-node=8 launch/slurm.sh configs/rlt-48x48.yaml
+#   MIN_NODES=2 sbatch --nodes=4 --gpus-per-node=8 launch/slurm.sh configs/rlt-48x48.yaml   # 8 workers a node
+#   NPROC_PER_NODE=2 sbatch --cpus-per-task=2 launch/slurm.sh configs/tiny.yaml             # CPU nodes
 #
 # Submit from the repository root: the job runs in $SLURM_SUBMIT_DIR (sbatch
 # runs a copy of this file from its spool directory, so the script cannot
@@ -14,7 +15,10 @@
 # override the #SBATCH defaults below.
 #
 # Environment, exported into the job (defaults in brackets):
-#   NPROC_PER_NODE [1]     worker processes per node (the GPUs of a node; CPU processes on CPU nodes)
+#   NPROC_PER_NODE [the node's GPUs]  worker processes per node, one per GPU: Slurm's
+#                          SLURM_GPUS_ON_NODE, else the GPUs `nvidia-smi -L` lists on the first
+#                          node, else 1 (launch/gpus-per-node.sh). On CPU nodes set it to the
+#                          processes wanted. Every node runs the same number.
 #   MIN_NODES [all]        elastic lower bound: the agents run --nnodes=MIN_NODES:<allocated nodes>,
 #                          so the job re-forms on the survivors when a node dies
 #   MAX_RESTARTS [3]       worker-group restarts per agent before the job fails
@@ -23,6 +27,7 @@
 #   RDZV_CONF [unset]      extra rendezvous options (see launch/torchrun.sh), e.g. last_call_timeout=60
 #   LOG_ROOT [logs]        per-job logs in LOG_ROOT/<job name>-<job id>/<node>/ (torchrun --log-dir)
 #   PYTHON [.venv/bin/python]
+#   CUDA_DEVICE_MAX_CONNECTIONS [1]  see launch/torchrun.sh; set it to override
 #   RLT_ROOT [$SLURM_SUBMIT_DIR]  the repository
 #
 # Resources: Slurm sees one task per node that runs all NPROC_PER_NODE
@@ -62,20 +67,27 @@ set -euo pipefail
 cd "${RLT_ROOT:-$SLURM_SUBMIT_DIR}"
 
 export PYTHON=${PYTHON:-.venv/bin/python}
+# shellcheck source=launch/gpus-per-node.sh
+source launch/gpus-per-node.sh
+NPROC_PER_NODE=$(nproc_per_node)
+export NPROC_PER_NODE
 # See launch/torchrun.sh: without this, a node joining a running job hangs.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# megatron-core's TP layers overlap their communication with computation only
+# when the GPU runs kernels in the order they were queued: one hardware queue.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 nodes=$SLURM_NNODES
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)
 rdzv_endpoint="$head_node:${RDZV_PORT:-$((29500 + SLURM_JOB_ID % 1000))}"
 export JOB_LOG_DIR="${LOG_ROOT:-logs}/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"
 mkdir -p "$JOB_LOG_DIR"
 
-echo "job $SLURM_JOB_ID: $nodes node(s) [$SLURM_JOB_NODELIST] x ${NPROC_PER_NODE:-1} process(es)," \
+echo "job $SLURM_JOB_ID: $nodes node(s) [$SLURM_JOB_NODELIST] x $NPROC_PER_NODE process(es)," \
      "elastic down to ${MIN_NODES:-$nodes}; rendezvous $rdzv_endpoint; logs $JOB_LOG_DIR"
 
 agent=(
   --nnodes="${MIN_NODES:-$nodes}:$nodes"
-  --nproc-per-node="${NPROC_PER_NODE:-1}"
+  --nproc-per-node="$NPROC_PER_NODE"
   --rdzv-backend=c10d
   --rdzv-endpoint="$rdzv_endpoint"
   --rdzv-id="rlt-$SLURM_JOB_ID"

@@ -16,6 +16,7 @@
 #                            (join_timeout, last_call_timeout, close_timeout,
 #                            keep_alive_interval, keep_alive_max_attempt, is_host)
 #   PYTHON [.venv/bin/python]
+#   CUDA_DEVICE_MAX_CONNECTIONS [1]  see below; set it to override
 # A restarted worker group resumes from the newest complete checkpoint in
 # checkpoint.dir by itself (rlt-train resumes by default).
 #
@@ -41,6 +42,9 @@ PYTHON=${PYTHON:-.venv/bin/python}
 # address in the first agent; an agent that joins later (scale-up, or a
 # restarted node) then waits forever for that address (pytorch#135712).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# megatron-core's TP layers overlap their communication with computation only
+# when the GPU runs kernels in the order they were queued: one hardware queue.
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # rlt_scale.launcher torchrun: torchrun, whose stop signal ends with status 0
 # when every worker checkpointed and exited 0 (torchrun itself exits 1).
 exec "$PYTHON" -m rlt_scale.launcher torchrun \

@@ -39,6 +39,16 @@ from rlt_scale.errors import ConfigError, DataError
 Batch = dict[str, torch.Tensor]
 
 
+def pin_batches(device: torch.device) -> bool:
+    """Whether batches bound for ``device`` should be cut into page-locked host memory.
+
+    Only a CUDA copy gains from it: from pinned memory ``.to(device, non_blocking=True)``
+    is an asynchronous DMA that overlaps the step, from pageable memory it is staged and
+    synchronous. On CPU pinning is useless, and without CUDA it is an error.
+    """
+    return device.type == "cuda"
+
+
 def _keep(segment_result: dict) -> dict:
     """DataLoader collate function: leave the worker's numpy arrays as they are."""
     return segment_result
@@ -53,16 +63,20 @@ class StreamingLoader:
     with ``GB = batch_size * dp_size``; rank ``r`` gets the ``r``-th slice.
     Each yielded batch adds ``GB`` to ``consumed_samples``, so keep one training
     iterator per loader. :meth:`iter_epoch_once` reads an evaluation set exactly once.
+    ``pin_memory=True`` (for a CUDA run, :func:`pin_batches`) hands out batches in
+    page-locked memory, so the copy to the GPU can be asynchronous.
     """
 
     def __init__(self, cfg: DataConfig, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1,
-                 path: str | None = None):
+                 path: str | None = None, pin_memory: bool = False):
         cfg.validate()
         if batch_size < 1:
             raise ConfigError("trainer.micro_batch_size", f"expected >= 1, got {batch_size}")
         if not 0 <= dp_rank < dp_size:
             raise ConfigError("parallel", f"expected 0 <= dp_rank < dp_size, got rank {dp_rank} of {dp_size}")
         self.cfg, self.batch_size, self.dp_rank, self.dp_size = cfg, batch_size, dp_rank, dp_size
+        self.pin_memory = pin_memory
+        """Batches come in pinned host memory (see :func:`pin_batches`)."""
         self.index: DatasetIndex = read_index(path or cfg.path, cfg.url)
         self._reader = ShardReader(self.index, on_error=cfg.on_error, verify_checksums=cfg.verify_checksums)
         self._counts = [s.samples for s in self.index.shards]
@@ -200,8 +214,12 @@ class StreamingLoader:
             warnings.warn(f"{message} ({part['skipped']} samples of this shard replaced by padding rows)",
                           SkippedDataWarning, stacklevel=3)
 
-    @staticmethod
-    def _to_batch(rows: dict[str, np.ndarray]) -> Batch:
-        return {"tokens": torch.from_numpy(rows["tokens"].astype(np.int64)),
-                "doc_ids": torch.from_numpy(rows["doc_ids"].astype(np.int64)),
-                "loss_mask": torch.from_numpy(np.ascontiguousarray(rows["loss_mask"], dtype=bool))}
+    def _to_batch(self, rows: dict[str, np.ndarray]) -> Batch:
+        batch = {"tokens": torch.from_numpy(rows["tokens"].astype(np.int64)),
+                 "doc_ids": torch.from_numpy(rows["doc_ids"].astype(np.int64)),
+                 "loss_mask": torch.from_numpy(np.ascontiguousarray(rows["loss_mask"], dtype=bool))}
+        # Pinned here, in the main process: the DataLoader's own pin_memory would
+        # see only the workers' numpy arrays, which it leaves alone.
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch

@@ -20,23 +20,35 @@ from rlt_scale.parallel.tensor_shards import is_tp_sharded
 from rlt_scale.parallel.stages import is_pipeline_replica
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def global_grad_norm(params: Iterable[torch.Tensor], tp_rank: int, model_parallel_group: Optional[dist.ProcessGroup],
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+    """The global L2 norm of the gradients, a float64 scalar on ``device`` (default: the parameters').
+
+    A rank with nothing to count (no gradients, or only replicas another rank
+    counts) still takes part in the all-reduce with a zero that must live on
+    the communication device: NCCL rejects a CPU tensor. Pass the
+    ParallelContext's device where ``params`` may be empty (the engines pass
+    only the parameters that have gradients).
+    """
     squares = None
     for p in params:
+        if device is None:
+            device = p.device
         if p.grad is None or (tp_rank != 0 and not is_tp_sharded(p)) or is_pipeline_replica(p):
             continue
         s = p.grad.detach().double().pow(2).sum()
         squares = s if squares is None else squares + s
     if squares is None:
-        squares = torch.zeros((), dtype=torch.float64)
+        squares = torch.zeros((), dtype=torch.float64, device=device)
     if model_parallel_group is not None and dist.get_world_size(model_parallel_group) > 1:
         dist.all_reduce(squares, group=model_parallel_group)
     return squares.sqrt()
 
 
-def clip_grads(params: list[torch.Tensor], max_norm: float, tp_rank: int, model_parallel_group) -> float:
+def clip_grads(params: list[torch.Tensor], max_norm: float, tp_rank: int, model_parallel_group,
+               device: Optional[torch.device] = None) -> float:
     """Scale gradients so the global norm is at most ``max_norm`` (0: measure only)."""
-    norm = global_grad_norm(params, tp_rank, model_parallel_group)
+    norm = global_grad_norm(params, tp_rank, model_parallel_group, device)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:

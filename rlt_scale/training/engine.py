@@ -94,7 +94,7 @@ class PlainSync:
 
     def step(self, lr: float) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = clip_grads(params, self.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group)
+        norm = clip_grads(params, self.grad_clip, self.ctx.tp_rank, self.ctx.model_parallel_group, self.ctx.device)
         if self.optimizer is not None:
             self.optimizer.step()
         return norm

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from rlt_scale.config import Config, config_to_dict, config_to_yaml
-from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.data.loader import StreamingLoader, pin_batches
 from rlt_scale.distributed import ParallelContext, init_distributed
 from rlt_scale.errors import ConfigError
 from rlt_scale.parallel.data_parallel import dp_sum
@@ -35,6 +35,25 @@ from rlt_scale.training.summary import TrainSummary
 EvalCallback = Callable[["Trainer", int, LossSums], bool]
 """``callback(trainer, step, sums) -> stop?``: called on every rank after each evaluation with
 the global sums (the same everywhere), so every rank takes the same decision."""
+
+
+def tf32_setting(device: torch.device, tf32: bool) -> Optional[bool]:
+    """What to set torch's TF32 switches to for a run on ``device`` (``trainer.tf32``); None: leave them.
+
+    TF32 exists only on CUDA; elsewhere the switches mean nothing and stay as they are.
+    """
+    return tf32 if device.type == "cuda" else None
+
+
+def apply_tf32(device: torch.device, tf32: bool) -> None:
+    """Let (or forbid) float32 matmuls and cuDNN convolutions use TF32 tensor cores, on CUDA only.
+
+    Set both ways: torch's defaults differ (matmul off, cuDNN on), and ``tf32: false`` means full float32 everywhere.
+    """
+    setting = tf32_setting(device, tf32)
+    if setting is not None:
+        torch.backends.cuda.matmul.allow_tf32 = setting
+        torch.backends.cudnn.allow_tf32 = setting
 
 
 class Trainer:
@@ -59,14 +78,18 @@ class Trainer:
             # Denormal floats (tiny activations/gradients early in training)
             # run ~2x slower on x86 CPUs; flushing them to zero is standard.
             torch.set_flush_denormal(True)
+        apply_tf32(self.device, cfg.trainer.tf32)
 
         t = cfg.trainer
-        self.loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp)
+        # Batches for a GPU come pinned, so _to_device's non_blocking copy is asynchronous.
+        pin = pin_batches(self.device)
+        self.loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank,
+                                      dp_size=self.ctx.dp, pin_memory=pin)
         # The eval set is opened (and checked) now, not at the first evaluation hours in.
         self.eval_loader: Optional[StreamingLoader] = None
         if cfg.data.eval_path:
             self.eval_loader = StreamingLoader(cfg.data, batch_size=t.micro_batch_size, dp_rank=self.ctx.dp_rank,
-                                               dp_size=self.ctx.dp, path=cfg.data.eval_path)
+                                               dp_size=self.ctx.dp, path=cfg.data.eval_path, pin_memory=pin)
         for loader in (self.loader, self.eval_loader):
             if loader is not None and loader.vocab_size > cfg.model.vocab_size:
                 raise ConfigError("model.vocab_size", f"data at {loader.index.path} uses {loader.vocab_size} token ids, "
