@@ -98,6 +98,7 @@ class LargestTensor(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.numel() > self.largest:
                 self.largest, self.op = t.numel(), func
+                self.shape = tuple(t.shape)
         return out
 
 

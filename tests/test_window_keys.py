@@ -122,3 +122,28 @@ def test_carried_cache_gradient_reaches_the_previous_chunk(make_model):
     (g_whole,) = torch.autograd.grad(z_all[:, 4:].square().sum(), e)
     assert g_chunked[:, :4].abs().max() > 1e-6  # the earlier chunk is reached, through the cache alone
     assert (g_chunked - g_whole).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("case", [dict(feedback_block=0, window=3), dict(feedback_block=8, window=40),
+                                  dict(feedback_block=0, window=1)],
+                         ids=lambda c: "K{feedback_block}-W{window}".format(**c))
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_tiled_reads_equal_the_concatenating_walk(make_model, case, chunk, monkeypatch):
+    """Segments longer than a tile (K=0, long blocks) read the window and the memory in tiles of 3
+    queries, cutting documents and chunks; the numbers are the reference's."""
+    from rlt_scale.model import attention
+
+    monkeypatch.setattr(attention, "TILE", 3)
+    model = make_model(**case)
+    tokens, doc = _batch(13, packed=True, seed=3)
+    ref_loss, _ = _reference_loss(model, tokens, doc)
+    ref_loss.backward()
+    ref = grads(model)
+
+    model.zero_grad(set_to_none=True)
+    out = run_sequence(model, tokens, doc, bptt=BPTT(chunk_size=chunk))
+    (out.loss_sum / out.n_targets).backward()
+    assert abs(float(out.loss_sum / out.n_targets) - float(ref_loss)) <= TOL
+    got = grads(model)
+    for name in ref:
+        assert (got[name] - ref[name]).abs().max() <= TOL, name

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rlt_scale.model import attention
 from rlt_scale.model.layers import autocast_as, autocast_of, visibility
 from rlt_scale.model.state import KV
 
@@ -83,8 +84,36 @@ class KeyStore:
         return self.grad_k[:, :, lo:hi].clone(), self.grad_v[:, :, lo:hi].clone()
 
 
-def _attend(q, k, v, q_pos, q_doc, k_pos, k_doc, window):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visibility(q_pos, q_doc, k_pos, k_doc, window))
+def _tiles(n_queries: int, lo: int, hi: int, window: Optional[int]):
+    """``(i, j, klo, khi)``: queries ``[i, j)`` of a read over slots ``[lo, hi)`` see slots ``[klo, khi)`` at most.
+
+    The read's queries are the store's last ``n_queries`` slots up to ``hi``
+    (query ``i``'s own key, or for the memory its own position, is slot
+    ``hi - n_queries + i``): later slots are its future, and a window ends
+    ``W - 1`` slots back. Tiles of :data:`~rlt_scale.model.attention.TILE`
+    queries keep every mask at ``TILE x span``: a segment of a whole chunk
+    (K=0, long feedback blocks) never builds a ``chunk x memory`` mask.
+    """
+    first = hi - n_queries
+    for i in range(0, n_queries, attention.TILE):
+        j = min(i + attention.TILE, n_queries)
+        klo = lo if window is None else max(lo, first + i - (window - 1))
+        yield i, j, klo, first + j
+
+
+def _attend(q, store: KeyStore, lo, hi, q_pos, q_doc, window):
+    """SDPA of ``q`` over slots ``[lo, hi)``, tile by tile (:func:`_tiles`)."""
+    n = q.shape[2]
+    if n <= attention.TILE:
+        k, v = store.k[:, :, lo:hi], store.v[:, :, lo:hi]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visibility(q_pos, q_doc, store.pos[:, lo:hi], store.doc[:, lo:hi], window))
+    out = q.new_empty(*q.shape[:-1], store.v.shape[-1])
+    for i, j, klo, khi in _tiles(n, lo, hi, window):
+        mask = visibility(q_pos[:, i:j], q_doc[:, i:j], store.pos[:, klo:khi], store.doc[:, klo:khi], window)
+        out[:, :, i:j] = F.scaled_dot_product_attention(q[:, :, i:j], store.k[:, :, klo:khi], store.v[:, :, klo:khi],
+                                                        attn_mask=mask)
+    return out
 
 
 def _save_read(ctx, q, store: KeyStore, lo, hi, q_pos, q_doc, window):
@@ -100,25 +129,31 @@ def _read_backward(ctx, d_out):
     the saved queries (what a fused attention backward does anyway), then
     the four matmuls of the attention backward follow.
     """
-    q, k, v, k_pos, k_doc, q_pos, q_doc = ctx.saved_tensors
-    lo, hi = ctx.lo, ctx.hi
+    q, k_all, v_all, k_pos, k_doc, q_pos, q_doc = ctx.saved_tensors
     with autocast_as(q, ctx.autocast):  # the forward's precision (bf16 training)
         if ctx.autocast is not None:  # as autocast's SDPA saw them in forward
             q, d_out = q.to(ctx.autocast), d_out.to(ctx.autocast)
-        k, v = k[:, :, lo:hi].to(q.dtype), v[:, :, lo:hi].to(q.dtype)
         scale = q.shape[-1] ** -0.5
-        visible = visibility(q_pos, q_doc, k_pos[:, lo:hi], k_doc[:, lo:hi], ctx.window)
-        p = torch.softmax((q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)
-        p = p.to(q.dtype)
-        dp = d_out @ v.transpose(-1, -2)
-        ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * scale).to(q.dtype)
-        ctx.store.add_grad(lo, hi, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out)
-        return ds @ k
+        dq = torch.empty_like(q) if q.shape[2] > attention.TILE else None
+        for i, j, lo, hi in _tiles(q.shape[2], ctx.lo, ctx.hi, ctx.window):
+            if dq is None:  # one tile: the read's own span, exactly as forward saw it
+                lo, hi = ctx.lo, ctx.hi
+            qt, dt = q[:, :, i:j], d_out[:, :, i:j]
+            k, v = k_all[:, :, lo:hi].to(q.dtype), v_all[:, :, lo:hi].to(q.dtype)
+            visible = visibility(q_pos[:, i:j], q_doc[:, i:j], k_pos[:, lo:hi], k_doc[:, lo:hi], ctx.window)
+            p = torch.softmax((qt @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)
+            p = p.to(q.dtype)
+            dp = dt @ v.transpose(-1, -2)
+            ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * scale).to(q.dtype)
+            ctx.store.add_grad(lo, hi, ds.transpose(-1, -2) @ qt, p.transpose(-1, -2) @ dt)
+            if dq is None:
+                return ds @ k
+            dq[:, :, i:j] = ds @ k
+        return dq
 
 
 def _read(store: KeyStore, q, lo, hi, q_pos, q_doc, window):
-    return _attend(q, store.k[:, :, lo:hi], store.v[:, :, lo:hi], q_pos, q_doc,
-                   store.pos[:, lo:hi], store.doc[:, lo:hi], window)
+    return _attend(q, store, lo, hi, q_pos, q_doc, window)
 
 
 class _Open(torch.autograd.Function):
