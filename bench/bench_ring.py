@@ -22,7 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from launch import torchrun  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 from rlt_scale.data.prepare import prepare_task  # noqa: E402
 
