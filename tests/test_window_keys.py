@@ -147,3 +147,23 @@ def test_tiled_reads_equal_the_concatenating_walk(make_model, case, chunk, monke
     got = grads(model)
     for name in ref:
         assert (got[name] - ref[name]).abs().max() <= TOL, name
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_backward_frees_every_store_gradient_while_the_graph_lives(make_model, ckpt):
+    """Each chunk's stores hand their gradients on and drop them during backward, even though the
+    loss (and so the graph, and every custom Function's ctx) is still alive: otherwise T/C chunks
+    would keep T/C memory-sized buffers until the end of backward, O(T^2/C)."""
+    import gc
+
+    from rlt_scale.model.window import KeyStore
+
+    model = make_model(feedback_block=1, window=3)
+    tokens, doc = _batch(13, packed=True, seed=4)
+    out = run_sequence(model, tokens, doc, bptt=BPTT(chunk_size=4, checkpoint=ckpt))
+    loss = out.loss_sum / out.n_targets
+    loss.backward()
+    gc.collect()
+    stores = [o for o in gc.get_objects() if isinstance(o, KeyStore)]
+    assert all(s.grad_k is None and s.grad_v is None for s in stores), sum(s.grad_k is not None for s in stores)
+    assert loss.grad_fn is not None  # the graph is still there

@@ -83,6 +83,17 @@ class KeyStore:
             return None, None
         return self.grad_k[:, :, lo:hi].clone(), self.grad_v[:, :, lo:hi].clone()
 
+    def free_grad(self) -> None:
+        """Drop the gradient buffers once every slot's gradient has been handed on.
+
+        Autograd frees what a node saved after its backward, but not what a
+        custom Function keeps on ``ctx``; the graph (and so every chunk's
+        store) lives as long as the loss tensor does. Without this each
+        chunk's memory-sized buffer would stay until the end of backward:
+        O(T^2 / C) for T/C chunks.
+        """
+        self.grad_k = self.grad_v = None
+
 
 def _tiles(n_queries: int, lo: int, hi: int, window: Optional[int]):
     """``(i, j, klo, khi)``: queries ``[i, j)`` of a read over slots ``[lo, hi)`` see slots ``[klo, khi)`` at most.
@@ -166,7 +177,9 @@ class _Open(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, _):
-        dk, dv = ctx.store.grad(0, ctx.n)
+        dk, dv = ctx.store.grad(0, ctx.n)  # the chain's last step: every reader has added its share
+        ctx.store.free_grad()
+        ctx.store = None
         return dk, dv, None
 
 
@@ -184,6 +197,7 @@ class _WriteAndAttend(torch.autograd.Function):
     def backward(ctx, d_out, _):
         dq = _read_backward(ctx, d_out)
         dk, dv = ctx.store.grad(ctx.at, ctx.hi)  # complete: every later reader ran backward first
+        ctx.store = None
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
@@ -197,7 +211,9 @@ class _Attend(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out):
-        return _read_backward(ctx, d_out), None, None, None, None, None, None, None
+        dq = _read_backward(ctx, d_out)
+        ctx.store = None
+        return dq, None, None, None, None, None, None, None
 
 
 class _Tail(torch.autograd.Function):
@@ -213,6 +229,7 @@ class _Tail(torch.autograd.Function):
     def backward(ctx, dk, dv):
         end = ctx.store.shape[2]
         ctx.store.add_grad(end - ctx.n, end, dk, dv)
+        ctx.store = None
         return None, None, None
 
 
