@@ -253,3 +253,15 @@ def test_tensor_parallel_jacobi_equals_one_sequential_process(tmp_path, layout_d
     for name, g in ref["grads"].items():
         assert ((got["grads"][name] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item() <= 1e-5, name
     assert got["tp_replicas_agree"]
+
+
+def test_a_nan_residual_is_not_converged():
+    """NaN compares false both ways, so it must become an infinite residual: not converged, above tol
+    (the fall-back starts there), and visible in the logged maximum."""
+    old = torch.zeros(2, 3, 4, dtype=torch.float64)
+    new = torch.ones(2, 3, 4, dtype=torch.float64)
+    new[1, 1, 2] = float("nan")
+    r = jacobi.residual(new, old)
+    assert r[1] == float("inf") and not bool(r.max() <= 1e-6)
+    assert (r > 1e-6).nonzero().flatten().tolist() == [0, 1, 2]
+    assert max(0.5, float(r.max())) == float("inf")

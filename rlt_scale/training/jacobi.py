@@ -152,14 +152,18 @@ def residual(new: torch.Tensor, old: torch.Tensor, per_row_scale: bool = False) 
     """``[S]``: the largest change of any row at each position, relative to the new vector's norm.
 
     ``per_row_scale`` measures against the row's largest vector instead (the
-    adjoint, which is zero at positions the loss does not reach).
+    adjoint, which is zero at positions the loss does not reach). A NaN or
+    inf anywhere counts as an infinite residual: ``NaN <= tol`` and
+    ``NaN > tol`` are both false, so a NaN would otherwise pass every
+    convergence check silently instead of falling back and being logged.
     """
     wide = torch.promote_types(new.dtype, torch.float32)
     change = (new - old).to(wide).norm(dim=-1)
     size = new.to(wide).norm(dim=-1)
     if per_row_scale:
         size = size.amax(dim=1, keepdim=True)
-    return (change / size.clamp_min(torch.finfo(wide).tiny)).amax(dim=0)
+    r = (change / size.clamp_min(torch.finfo(wide).tiny)).amax(dim=0)
+    return torch.nan_to_num(r, nan=float("inf"))
 
 
 def _agreed(r: torch.Tensor, model: RLT) -> torch.Tensor:
