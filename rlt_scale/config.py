@@ -200,6 +200,14 @@ class TrainerConfig:
     """Samples per micro-batch on each data-parallel rank."""
     grad_accum_steps: int = 1
     """Micro-batches accumulated per optimizer step."""
+    decoder_sequences: int = 0
+    """Sequences that advance through the decoder together in one pass (PP=1); 0 = one micro-batch.
+    The decoder reads every weight once per position for however many sequences run together, so a
+    larger value buys throughput on a bandwidth-bound GPU (``rlt-profile`` tabulates the bound) at
+    the price of that many sequences' activations at once. Consecutive micro-batches of the step
+    are joined: a multiple of micro_batch_size that divides micro_batch_size * grad_accum_steps.
+    The loss and gradients are the same (sums over the same targets). With parallel.pp > 1 the
+    ring's circulating micro-batches play this part: leave it 0."""
     chunk_size: int = 0
     """Decoder chunk length C; 0 runs the whole sample as one chunk."""
     activation_checkpointing: str = "none"
@@ -322,6 +330,16 @@ class Config:
             raise ConfigError("trainer.precision", "fp64 needs model.params_dtype=float64")
         if self.trainer.precision == "bf16" and self.model.params_dtype == "float64":
             raise ConfigError("trainer.precision", "bf16 autocast with float64 parameters makes no sense")
+        t = self.trainer
+        if t.decoder_sequences:
+            per_step = t.micro_batch_size * t.grad_accum_steps
+            if t.decoder_sequences % t.micro_batch_size or per_step % t.decoder_sequences:
+                raise ConfigError("trainer.decoder_sequences",
+                                  f"must be a multiple of trainer.micro_batch_size={t.micro_batch_size} that divides "
+                                  f"micro_batch_size * grad_accum_steps={per_step}, got {t.decoder_sequences}")
+            if self.parallel.pp > 1:
+                raise ConfigError("trainer.decoder_sequences", f"parallel.pp={self.parallel.pp} runs the decoder "
+                                  "as a ring whose micro-batches circulate together already: leave it 0")
         if self.trainer.tbptt_chunks and not self.trainer.chunk_size:
             raise ConfigError("trainer.tbptt_chunks", "truncation counts chunks: set trainer.chunk_size > 0")
         if self.trainer.activation_checkpointing != "none" and not self.trainer.chunk_size:

@@ -102,8 +102,12 @@ def decoder_step_bound(cfg: ModelConfig, seq_len: int, sequences: int, tp: int =
                             mfu * peak_flops / flops_per_token)
 
 
-def bound_table(cfg: ModelConfig, seq_len: int, tp: int, pp: int, sequences=(1, 8, 64, 512), **kw) -> str:
-    """The trade-off of sequences per step: tokens/s per GPU, bandwidth against FLOPs."""
+def bound_table(cfg: ModelConfig, seq_len: int, tp: int, pp: int, sequences=(1, 8, 64, 512),
+                decoder_bytes_per_sequence: float = 0.0, **kw) -> str:
+    """The trade-off of sequences per step (``trainer.decoder_sequences``): tokens/s per GPU,
+    bandwidth against FLOPs, and what that many sequences' decoder activations cost at once
+    (``decoder_bytes_per_sequence``: merge, decoder layers and readout of one sample, as kept
+    for backward under the profiled checkpointing)."""
     from rlt_scale.profiling.report import table
 
     rows = []
@@ -112,10 +116,11 @@ def bound_table(cfg: ModelConfig, seq_len: int, tp: int, pp: int, sequences=(1, 
             b = decoder_step_bound(cfg, seq_len, n, tp, pp, deferred_weight_grads=deferred, **kw)
             rows.append([n, "per chunk" if deferred else "per position", f"{b.weight_bytes / 2**30:.2f}GiB",
                          f"{b.key_bytes / 2**30:.3f}GiB", f"{1e3 * b.step_s:.3f}ms",
-                         f"{b.bandwidth_tokens_per_s:,.0f}", f"{b.flop_tokens_per_s:,.0f}", b.binding])
+                         f"{b.bandwidth_tokens_per_s:,.0f}", f"{b.flop_tokens_per_s:,.0f}", b.binding,
+                         f"{n * decoder_bytes_per_sequence / 2**30:.2f}GiB"])
     bw = kw.get("bandwidth", HBM_BYTES_PER_S["h100"])
     title = (f"Decoder step bound per GPU (T={seq_len}, TP={tp} PP={pp}, {bw / 1e12:.2f} TB/s, "
              f"FLOP bound at {100 * kw.get('mfu', 0.4):.0f}% of {kw.get('peak_flops', 989e12) / 1e12:.0f} TFLOP/s); "
              f"more sequences per step also multiply the decoder's activations")
     return table(["sequences/step", "weight grads", "weights/step", "keys/step", "step", "tokens/s (bandwidth)",
-                  "tokens/s (FLOPs)", "binds"], rows, title)
+                  "tokens/s (FLOPs)", "binds", "decoder acts"], rows, title)

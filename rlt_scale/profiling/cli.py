@@ -125,7 +125,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     bandwidth = HBM_BYTES_PER_S.get(args.hbm.lower()) or float(args.hbm) * 1e12
     sequences = args.sequences or sorted({1, work.batch, 8, 64, 512})
     bound_kw = dict(bandwidth=bandwidth, **({"peak_flops": args.peak_tflops * 1e12} if args.peak_tflops else {}))
-    print(bound_table(cfg.model, work.seq_len, layout.tp, layout.pp, sequences, **bound_kw))
+    decoder_side = ("merge", "decoder.", "readout", "other")
+    key = "activation_bytes_ckpt" if work.checkpoint else "activation_bytes"
+    per_sequence = sum(getattr(m, key) for m in mem.layers if m.layer.startswith(decoder_side)) / work.batch
+    print(bound_table(cfg.model, work.seq_len, layout.tp, layout.pp, sequences,
+                      decoder_bytes_per_sequence=per_sequence, **bound_kw))
 
     payload = {
         "config": args.config, "overrides": args.overrides, "model": asdict(cfg.model),

@@ -201,11 +201,30 @@ def sequence_sums(model: torch.nn.Module, batch: dict, objective: Objective, bpt
     return loss_sum, valid.sum(), correct
 
 
+def join_batches(batches: list[dict], group: int) -> list[dict]:
+    """Consecutive groups of ``group`` micro-batches, each joined along the batch dimension."""
+    if group <= 1:
+        return batches
+    return [{key: torch.cat([b[key] for b in batches[i:i + group]]) if batches[i].get(key) is not None else None
+             for key in batches[i]}
+            for i in range(0, len(batches), group)]
+
+
 class LocalEngine(Engine):
-    """Every rank runs the whole model (PP = 1): one forward and backward per micro-batch."""
+    """Every rank runs the whole model (PP = 1): one forward and backward per pass.
+
+    A pass is one micro-batch, or ``micro_per_pass`` of them joined
+    (``trainer.decoder_sequences``): the decoder then advances all their
+    sequences together, one weight read per position for all of them.
+    """
+
+    def __init__(self, model, ctx, sync, bptt, autocast=contextlib.nullcontext, micro_per_pass: int = 1):
+        super().__init__(model, ctx, sync, bptt, autocast)
+        self.micro_per_pass = micro_per_pass
 
     def _forward_backward(self, batches, objective, n_targets) -> float:
         loss_sum = 0.0
+        batches = join_batches(batches, self.micro_per_pass)
         for i, batch in enumerate(batches):
             with self.autocast():
                 loss, _, _ = sequence_sums(self.model, batch, objective, self.bptt)
@@ -287,4 +306,5 @@ def build_engine(cfg, ctx: ParallelContext, model: torch.nn.Module, optimizer: t
 
         ring = RingPipeline(model, stage_plan, ctx, bptt)
         return RingEngine(ring, model, ctx, sync, bptt, autocast, micro_per_pass=t.grad_accum_steps)
-    return LocalEngine(model, ctx, sync, bptt, autocast)
+    group = t.decoder_sequences // t.micro_batch_size if t.decoder_sequences else 1
+    return LocalEngine(model, ctx, sync, bptt, autocast, micro_per_pass=group)
