@@ -86,3 +86,15 @@ def test_ring_step_reads_the_host_once(tmp_path):
         syncs = torch.load(f"{out}.stage{stage}", weights_only=True)["syncs"]
         assert syncs[6] == syncs[12], (stage, syncs)
         assert sum(syncs[6].values()) == 1 + 2, (stage, syncs)
+
+
+@pytest.mark.slow
+def test_ring_reads_out_once_per_chunk(tmp_path):
+    """Issue #17, item 6: the ring's last stage runs the readout and loss once per chunk (as one
+    process does), not once per segment: M=2 micro-batches of T tokens in chunks of 3, K=1, so
+    2 * T/3 readouts per step, where once per segment would be 2 * T."""
+    out = tmp_path / "readouts.pt"
+    spec = {"micro": [2], "tokens": 6, "feedback_block": 1, "chunk": 3, "count_readouts": True}
+    torchrun("tests/workers/ring_strict.py", 2, [str(out), json.dumps(spec)], timeout=300)
+    readouts = torch.load(f"{out}.stage1", weights_only=True)["readouts"]
+    assert readouts == {6: 2 * 2, 12: 2 * 4}, readouts

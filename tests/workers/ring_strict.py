@@ -95,6 +95,20 @@ def main() -> None:
                               "grads": sum(p.grad is not None for p in stage.parameters()),
                               "params": sum(1 for _ in stage.parameters())}
         print(f"rank {ctx.rank}: PP={ctx.pp} M={m} done", flush=True)
+    if spec.get("count_readouts") and plan.last:  # readout calls of one training step, at T and 2T
+        calls = []
+        hook = stage.readout.register_forward_hook(lambda *_: calls.append(1))
+        m = spec["micro"][-1]
+        results["readouts"] = {}
+        for tokens in (spec["tokens"], 2 * spec["tokens"]):
+            calls.clear()
+            ring.forward_backward(_batches(m, tokens, seed=tokens), 1.0)
+            results["readouts"][tokens] = len(calls)
+        hook.remove()
+    elif spec.get("count_readouts"):
+        m = spec["micro"][-1]
+        for tokens in (spec["tokens"], 2 * spec["tokens"]):
+            ring.forward_backward(_batches(m, tokens, seed=tokens), 1.0)
     if spec.get("count_syncs"):
         from host_syncs import count_host_syncs
 
