@@ -2,11 +2,16 @@
 
     python bench/bench_recurrence.py                     # tiny, batch 32, T=128, ~2-3 minutes
     python bench/bench_recurrence.py --batch 32 --seq-len 256 --rounds 5
+    python bench/bench_recurrence.py --ks 1,0 --set d_model=512 --set n_heads=8 --no-profile
+    python bench/bench_recurrence.py --ks 1 --batch 32,4 --seq-len 128,1024   # same tokens, two lengths
 
 The models differ only in the feedback block K (same widths, seed and
 tokens); the chunk size and checkpointing are the tiny config's. Steps
 (forward + backward + AdamW) of all variants are interleaved round by round,
-so a busy machine slows them alike; the ratios use per-round pairs. Then one
+so a busy machine slows them alike; the ratios use per-round pairs. Comma
+lists in --batch/--seq-len add workloads (paired in order), interleaved the
+same way. MFU is model FLOPs / median step wall / the best fp32 matmul peak of
+this process (measured before and after the rounds, same threads). Then one
 step of RLT-1 and of RLT-0 is profiled (aten op counts, torch.profiler self
 CPU time by kind of op) to show what the gap is made of.
 """
@@ -14,6 +19,7 @@ CPU time by kind of op) to show what the gap is made of.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections import Counter
@@ -25,6 +31,7 @@ from common import Clock, machine, model_config, print_table, set_threads, warn_
 
 from rlt_scale.config import OptimizerConfig
 from rlt_scale.profiling.flops import analytic_flops
+from rlt_scale.profiling.peak import measure_peak
 from rlt_scale.profiling.workload import Workload, forward_backward, make_model, make_tokens, train_step
 from rlt_scale.training.optim import build_optimizer
 
@@ -82,9 +89,12 @@ def profile_step(model, tokens, work) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", default="32", help="batch size; a comma list adds workloads, paired with --seq-len")
+    p.add_argument("--seq-len", default="128", help="sequence length; a comma list adds workloads")
     p.add_argument("--ks", default="1,4,16,0", help="feedback blocks to compare (0 = RLT-0)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="model override, repeatable (e.g. --set d_model=512 --set n_heads=8)")
+    p.add_argument("--out", default="recurrence", help="results name: bench/results/<out>.json")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core box, 2 OpenMP threads stall on each other)")
@@ -94,47 +104,91 @@ def main(argv=None) -> int:
     info = machine()
     warn_if_busy(info)
     ks = [int(k) for k in args.ks.split(",")]
-    base, source = model_config(args.config)
+    overrides = tuple(args.set)
+    base, source = model_config(args.config, overrides)
     from bench_throughput import schedule_of
 
-    chunk, ckpt = schedule_of(args.config, args.seq_len)
-    work = Workload(args.batch, args.seq_len, chunk_size=chunk, checkpoint=ckpt)
-    models, optims = {}, {}
+    batches, lens = [int(x) for x in args.batch.split(",")], [int(x) for x in args.seq_len.split(",")]
+    n = max(len(batches), len(lens))
+    batches, lens = batches * (n // len(batches)), lens * (n // len(lens))
+    works, schedules = [], []
+    for b, t in zip(batches, lens):
+        chunk, ckpt = schedule_of(args.config, t)
+        works.append(Workload(b, t, chunk_size=chunk, checkpoint=ckpt))
+        schedules.append((chunk, ckpt))
+    # variant id: the K alone for one workload (the JSON's old keys), else "K@BxT"
+    variants = [(k, w) for w in range(n) for k in ks]
+    vid = {(k, w): (k if n == 1 else f"{k}@{works[w].batch}x{works[w].seq_len}") for k, w in variants}
+    models, optims, tokens = {}, {}, []
     for k in ks:
-        cfg, _ = model_config(args.config, (f"feedback_block={k}",))
+        cfg, _ = model_config(args.config, overrides + (f"feedback_block={k}",))
         models[k] = make_model(cfg, seed=0)
         optims[k] = build_optimizer(models[k], OptimizerConfig())
-    tokens = make_tokens(base, work)
-    print(f"# {args.config} ({source}), {work.describe()}, {threads} threads; warm-up ...", flush=True)
-    for k in ks:
-        train_step(models[k], optims[k], tokens, work)
-    wall = {k: [] for k in ks}
-    cpu = {k: [] for k in ks}
+    for work in works:
+        tokens.append(make_tokens(base, work))
+    dims = f"d_model={base.d_model}, n_heads={base.n_heads}" + (f" ({', '.join(overrides)})" if overrides else "")
+    print(f"# {args.config} ({source}), {dims}, {'; '.join(w.describe() for w in works)}, {threads} threads; "
+          f"load {' '.join(f'{x:.2f}' for x in os.getloadavg())}; peak + warm-up ...", flush=True)
+    peaks = [measure_peak()]
+    for k, w in variants:
+        train_step(models[k], optims[k], tokens[w], works[w])
+    wall = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
+    loads = [os.getloadavg()]
     for r in range(args.rounds):
-        for k in ks:
+        for k, w in variants:
             with Clock() as c:
-                train_step(models[k], optims[k], tokens, work)
-            wall[k].append(c.wall)
-            cpu[k].append(c.cpu)
-        print(f"# round {r + 1}: " + "  ".join(f"K={k} {wall[k][-1]:.2f}s" for k in ks), flush=True)
+                train_step(models[k], optims[k], tokens[w], works[w])
+            wall[(k, w)].append(c.wall)
+            cpu[(k, w)].append(c.cpu)
+        loads.append(os.getloadavg())
+        print(f"# round {r + 1}: " + "  ".join(f"{vid[v]} {wall[v][-1]:.2f}s" for v in variants)
+              + f"  (load {' '.join(f'{x:.2f}' for x in loads[-1])})", flush=True)
+    peaks.append(measure_peak())
+    peak = max(peaks, key=lambda x: x.flops_per_s)
     ref = 0 if 0 in ks else ks[-1]
     rows, results = [], {}
-    for k in ks:
-        cfg = models[k].cfg
+    for k, w in variants:
+        cfg, work = models[k].cfg, works[w]
         flops = analytic_flops(cfg, work)
-        ratio_wall = statistics.median(a / b for a, b in zip(wall[k], wall[ref]))
-        ratio_cpu = statistics.median(a / b for a, b in zip(cpu[k], cpu[ref]))
+        ratio_wall = statistics.median(a / b for a, b in zip(wall[(k, w)], wall[(ref, w)]))
+        ratio_cpu = statistics.median(a / b for a, b in zip(cpu[(k, w)], cpu[(ref, w)]))
+        step = statistics.median(wall[(k, w)])
         name = {0: "RLT-0", 1: "RLT-1"}.get(k, f"RLT-2 K={k}")
-        results[k] = {"name": name, "feedback_block": k, "step_wall_s": wall[k], "step_cpu_s": cpu[k],
-                      "ratio_wall_vs_rlt0": ratio_wall, "ratio_cpu_vs_rlt0": ratio_cpu,
-                      "segments": len(work.plan(cfg.feedback_block).segments),
-                      "sequential_decoder_depth": len(work.plan(cfg.feedback_block).segments) * cfg.n_dec_layers,
-                      "hardware_flops": flops.hardware_flops, "model_flops": flops.model_flops}
-        rows.append([name, results[k]["segments"], f"{statistics.median(wall[k]):.2f}s",
-                     f"{statistics.median(cpu[k]):.2f}s", f"{ratio_wall:.2f}x", f"{ratio_cpu:.2f}x",
-                     f"{flops.hardware_flops / 1e9:.2f}G"])
-    print_table(["variant", "segments", "step (wall)", "step (cpu)", "vs RLT-0 wall", "vs RLT-0 cpu", "executed FLOPs"],
-                rows, f"Recurrence cost: {args.config}, {work.describe()}, median of {args.rounds} interleaved rounds")
+        results[vid[(k, w)]] = {
+            "name": name, "feedback_block": k, "batch": work.batch, "seq_len": work.seq_len,
+            "chunk_size": schedules[w][0], "checkpoint": schedules[w][1],
+            "step_wall_s": wall[(k, w)], "step_cpu_s": cpu[(k, w)],
+            "ratio_wall_vs_rlt0": ratio_wall, "ratio_cpu_vs_rlt0": ratio_cpu,
+            "segments": len(work.plan(cfg.feedback_block).segments),
+            "sequential_decoder_depth": len(work.plan(cfg.feedback_block).segments) * cfg.n_dec_layers,
+            "hardware_flops": flops.hardware_flops, "model_flops": flops.model_flops,
+            "mfu": flops.model_flops / step / peak.flops_per_s,
+            "hfu": flops.hardware_flops / step / peak.flops_per_s,
+            "mfu_cpu_time": flops.model_flops / statistics.median(cpu[(k, w)]) / (peak.flops_per_s / threads)}
+        r = results[vid[(k, w)]]
+        rows.append([name, work.describe(), r["segments"], f"{step:.2f}s", f"{statistics.median(cpu[(k, w)]):.2f}s",
+                     f"{ratio_wall:.2f}x", f"{ratio_cpu:.2f}x", f"{flops.hardware_flops / 1e9:.2f}G",
+                     f"{100 * r['mfu']:.1f}%", f"{100 * r['hfu']:.1f}%"])
+    vs = results[vid[(ref, 0)]]["name"]
+    print_table(["variant", "workload", "segments", "step (wall)", "step (cpu)", f"vs {vs} wall", f"vs {vs} cpu",
+                 "executed FLOPs", "MFU", "HFU"], rows,
+                f"Recurrence cost: {args.config}, {dims}, median of {args.rounds} interleaved rounds; "
+                f"peak {peak.flops_per_s / 1e9:.1f} GFLOP/s ({peak.source}; before/after "
+                f"{', '.join(f'{x.flops_per_s / 1e9:.1f}' for x in peaks)})")
+    if n > 1:  # MFU of each workload against the first one's, per-round pairs (same K)
+        rows = []
+        for k, w in variants:
+            if w:
+                f0, f1 = results[vid[(k, 0)]]["model_flops"], results[vid[(k, w)]]["model_flops"]
+                ratio = statistics.median((f1 / a) / (f0 / b) for a, b in zip(wall[(k, w)], wall[(k, 0)]))
+                results[vid[(k, w)]]["mfu_vs_first_workload"] = ratio
+                rows.append([results[vid[(k, w)]]["name"], works[w].describe(), works[0].describe(),
+                             f"{100 * results[vid[(k, w)]]['mfu']:.1f}% vs {100 * results[vid[(k, 0)]]['mfu']:.1f}%",
+                             f"{ratio:.2f}x"])
+        print_table(["variant", "workload", "against", "MFU (medians)", "MFU ratio (per-round median)"], rows,
+                    "MFU across workloads")
+    work, chunk, ckpt, tokens = works[0], schedules[0][0], schedules[0][1], tokens[0]
 
     profiles = {}
     if not args.no_profile and 1 in ks and 0 in ks:
@@ -155,11 +209,14 @@ def main(argv=None) -> int:
                      f"{a['aten_ops'] - b['aten_ops']:+,}", ""])
         print_table(["where the time goes (one profiled step)", "RLT-1", "RLT-0", "gap", "share of gap"], rows,
                     f"RLT-1 vs RLT-0 under torch.profiler (wall {a['profiled_wall_s']:.2f}s vs {b['profiled_wall_s']:.2f}s); "
-                    f"RLT-1 runs {a['aten_ops'] / max(results[1]['segments'], 1):,.0f} aten ops per position")
-    path = write_results("recurrence", {"machine": info, "threads": threads, "config": args.config,
-                                        "workload": work.describe(), "batch": args.batch, "seq_len": args.seq_len,
-                                        "chunk_size": chunk, "checkpoint": ckpt, "rounds": args.rounds,
-                                        "results": results, "profiles": profiles})
+                    f"RLT-1 runs {a['aten_ops'] / max(results[vid[(1, 0)]]['segments'], 1):,.0f} aten ops per position")
+    path = write_results(args.out, {"machine": info, "threads": threads, "config": args.config,
+                                    "overrides": list(overrides), "d_model": base.d_model, "n_heads": base.n_heads,
+                                    "workload": "; ".join(w.describe() for w in works), "batch": batches,
+                                    "seq_len": lens, "chunk_size": chunk, "checkpoint": ckpt, "rounds": args.rounds,
+                                    "load_averages": loads, "peak": peak.to_dict(),
+                                    "peaks": [x.to_dict() for x in peaks], "results": results,
+                                    "profiles": profiles})
     print(f"# wrote {path}")
     return 0
 
