@@ -103,7 +103,8 @@ def _tiles(n_queries: int, lo: int, hi: int, window: Optional[int]):
     ``hi - n_queries + i``): later slots are its future, and a window ends
     ``W - 1`` slots back. Tiles of :data:`~rlt_scale.model.attention.TILE`
     queries keep every mask at ``TILE x span``: a segment of a whole chunk
-    (K=0, long feedback blocks) never builds a ``chunk x memory`` mask.
+    (K=0, long feedback blocks) never builds a ``chunk x memory`` mask. A
+    read of at most one tile is one tile over exactly ``[lo, hi)``.
     """
     first = hi - n_queries
     for i in range(0, n_queries, attention.TILE):
@@ -112,19 +113,18 @@ def _tiles(n_queries: int, lo: int, hi: int, window: Optional[int]):
         yield i, j, klo, first + j
 
 
-def _attend(q, store: KeyStore, lo, hi, q_pos, q_doc, window):
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Tiles' results along the query dimension (one tile, the usual case, is returned as it is)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def _read(store: KeyStore, q, lo, hi, q_pos, q_doc, window):
     """SDPA of ``q`` over slots ``[lo, hi)``, tile by tile (:func:`_tiles`)."""
-    n = q.shape[2]
-    if n <= attention.TILE:
-        k, v = store.k[:, :, lo:hi], store.v[:, :, lo:hi]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visibility(q_pos, q_doc, store.pos[:, lo:hi], store.doc[:, lo:hi], window))
-    out = q.new_empty(*q.shape[:-1], store.v.shape[-1])
-    for i, j, klo, khi in _tiles(n, lo, hi, window):
-        mask = visibility(q_pos[:, i:j], q_doc[:, i:j], store.pos[:, klo:khi], store.doc[:, klo:khi], window)
-        out[:, :, i:j] = F.scaled_dot_product_attention(q[:, :, i:j], store.k[:, :, klo:khi], store.v[:, :, klo:khi],
-                                                        attn_mask=mask)
-    return out
+    return _joined([
+        F.scaled_dot_product_attention(
+            q[:, :, i:j], store.k[:, :, klo:khi], store.v[:, :, klo:khi],
+            attn_mask=visibility(q_pos[:, i:j], q_doc[:, i:j], store.pos[:, klo:khi], store.doc[:, klo:khi], window))
+        for i, j, klo, khi in _tiles(q.shape[2], lo, hi, window)])
 
 
 def _save_read(ctx, q, store: KeyStore, lo, hi, q_pos, q_doc, window):
@@ -145,10 +145,8 @@ def _read_backward(ctx, d_out):
         if ctx.autocast is not None:  # as autocast's SDPA saw them in forward
             q, d_out = q.to(ctx.autocast), d_out.to(ctx.autocast)
         scale = q.shape[-1] ** -0.5
-        dq = torch.empty_like(q) if q.shape[2] > attention.TILE else None
+        dq = []
         for i, j, lo, hi in _tiles(q.shape[2], ctx.lo, ctx.hi, ctx.window):
-            if dq is None:  # one tile: the read's own span, exactly as forward saw it
-                lo, hi = ctx.lo, ctx.hi
             qt, dt = q[:, :, i:j], d_out[:, :, i:j]
             k, v = k_all[:, :, lo:hi].to(q.dtype), v_all[:, :, lo:hi].to(q.dtype)
             visible = visibility(q_pos[:, i:j], q_doc[:, i:j], k_pos[:, lo:hi], k_doc[:, lo:hi], ctx.window)
@@ -157,14 +155,8 @@ def _read_backward(ctx, d_out):
             dp = dt @ v.transpose(-1, -2)
             ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * scale).to(q.dtype)
             ctx.store.add_grad(lo, hi, ds.transpose(-1, -2) @ qt, p.transpose(-1, -2) @ dt)
-            if dq is None:
-                return ds @ k
-            dq[:, :, i:j] = ds @ k
-        return dq
-
-
-def _read(store: KeyStore, q, lo, hi, q_pos, q_doc, window):
-    return _attend(q, store, lo, hi, q_pos, q_doc, window)
+            dq.append(ds @ k)
+        return _joined(dq)
 
 
 class _Open(torch.autograd.Function):
