@@ -81,6 +81,11 @@ class ModelConfig:
     ``sequential`` walks the positions in order; ``jacobi`` runs all positions of a chunk
     in parallel sweeps until the feedback is a fixed point, with an implicit (adjoint)
     gradient, and falls back to ``sequential`` where it does not converge."""
+    decoder_wgrad_block: int = 64
+    """Positions per deferred weight-gradient GEMM of the sequential decoder
+    (``rlt_scale/model/deferred.py``): backward forms each decoder weight's gradient once
+    per block of this many positions, as one GEMM, instead of once per position, and keeps
+    less per position. 0: autograd's own per-position gradients. Same numbers either way."""
     jacobi_tol: float = 1e-6
     """Jacobi: stop when every position's feedback moved by at most this much relative to
     its norm in the last sweep (and the adjoint likewise); 0 runs to the exact solution."""
@@ -124,6 +129,7 @@ class ModelConfig:
         _choice("model.decoder_solver", self.decoder_solver, ("sequential", "jacobi"))
         _positive("model.jacobi_tol", self.jacobi_tol, allow_zero=True)
         _positive("model.jacobi_max_sweeps", self.jacobi_max_sweeps)
+        _positive("model.decoder_wgrad_block", self.decoder_wgrad_block, allow_zero=True)
 
 
 @dataclass

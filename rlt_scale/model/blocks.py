@@ -157,16 +157,35 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, self_attend, cross_attend) -> torch.Tensor:
+    def forward(self, z, rope: Rotary, self_attend, cross_attend, ops=None) -> torch.Tensor:
         """Run positions ``[B, S]`` that share one feedback.
 
         The caller owns where keys live: ``self_attend(q, k, v)`` attends
         over the window (the cache plus these rotated keys, which it also
         records), ``cross_attend(q)`` over the memory entries these positions
-        may read (see :mod:`rlt_scale.model.window`).
+        may read (see :mod:`rlt_scale.model.window`). ``ops`` runs the
+        projections: the layer itself, or a :class:`~rlt_scale.model.deferred.WeightTape`
+        that computes the same with its weight gradients deferred.
         """
-        q, k, v = _heads(self.attn.qkv(self.norm_attn(z)), self.n_heads, 3)
-        z = z + self.attn.out(merge_heads(self_attend(rope(q), rope(k), v)))
-        q = rope(_heads(self.cross_q(self.norm_cross(z)), self.n_heads, 1)[0])
-        z = z + self.cross_out(merge_heads(cross_attend(q)))
-        return z + self.ffn(self.norm_ffn(z))
+        ops = self if ops is None else ops
+        q, k, v = _heads(ops.project_qkv(z), self.n_heads, 3)
+        z = z + ops.project_out(merge_heads(self_attend(rope(q), rope(k), v)))
+        q = rope(_heads(ops.project_cross_q(z), self.n_heads, 1)[0])
+        z = z + ops.project_cross_out(merge_heads(cross_attend(q)))
+        return z + ops.feed_forward(z)
+
+    # The projections, from the residual stream ``z`` or an attention's merged output ``h``.
+    def project_qkv(self, z):
+        return self.attn.qkv(self.norm_attn(z))
+
+    def project_out(self, h):
+        return self.attn.out(h)
+
+    def project_cross_q(self, z):
+        return self.cross_q(self.norm_cross(z))
+
+    def project_cross_out(self, h):
+        return self.cross_out(h)
+
+    def feed_forward(self, z):
+        return self.ffn(self.norm_ffn(z))

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_scale.config import ModelConfig
 from rlt_scale.model.attention import plan_attention
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
+from rlt_scale.model.deferred import WeightTape, weight_blocks
 from rlt_scale.model.layers import RMSNorm, Rotary, attend, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
@@ -225,18 +226,32 @@ class RLT(nn.Module):
         windows = [WindowKeys(cache, key_pos, key_doc, self.cfg.window) for cache in state.caches]
         reads = [MemoryKeys(m, offset, e.shape[1]) for m in memory]
         groups = [reads[self.cfg.memory_group_of(i)] for i in range(len(self.decoder))]
+        tapes = self._weight_tapes(segments)
         s, outputs = state.s, []
         for (a, b), e_seg in zip(segments, e.split([b - a for a, b in segments], dim=1)):
             seg_pos, seg_doc, seg_rope = pos[:, a:b], doc[:, a:b], rope.rows(a, b)
             z, feedback = self.feedback_in(e_seg, seg_pos, s)
-            for layer, window, read in zip(self.decoder, windows, groups):
+            for layer, window, read, tape in zip(self.decoder, windows, groups, tapes):
                 z = layer(z, seg_rope, partial(window.attend, a=a, b=b),
-                          partial(read.attend, q_pos=seg_pos, q_doc=seg_doc, a=a, b=b))
+                          partial(read.attend, q_pos=seg_pos, q_doc=seg_doc, a=a, b=b),
+                          ops=tape.seek(a, b) if tape is not None else None)
             s = self.carry(z, seg_pos, feedback)
             outputs.append(z)
-        for read in reads:
-            read.close()
+        for closing in reads + [t for t in tapes if t is not None]:
+            closing.close()
         return torch.cat(outputs, dim=1), DecoderState(s, [w.close() for w in windows])
+
+    def _weight_tapes(self, segments: list[tuple[int, int]]) -> list[Optional[WeightTape]]:
+        """Per decoder layer, the tape that defers its weight gradients over this chunk, or None.
+
+        Only where backward will run over more than one segment: for K=0 (one
+        segment, every position at once) autograd's GEMMs already span the chunk.
+        """
+        size = self.cfg.decoder_wgrad_block
+        if not size or len(segments) < 2 or not torch.is_grad_enabled():
+            return [None] * len(self.decoder)
+        blocks = weight_blocks(segments, size)
+        return [WeightTape(layer, blocks) for layer in self.decoder]
 
     # ------------------------------------------------------- teacher forcing
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -21,6 +21,10 @@ hold the two within a few percent). Per token and layer they are a few
   values plus the ``W-1`` carried ones, written in place; each attention
   saves its queries only (``rlt_scale/model/window.py``), so the decoder
   keeps O(T d) whatever the window and the memory length;
+* decoder projections: on weight tapes (``rlt_scale/model/deferred.py``,
+  every chunk of more than one segment) each RMSNorm keeps its input and
+  ``rstd`` and the SwiGLU its fused gate/up, ``3(d+1) + 2f`` per token
+  instead of ``3(2d+1) + 4f``;
 * rotary tables (``head_dim`` per token per table), the loss's
   log-probabilities (``V`` per token) and the carried state ``s``.
 
@@ -212,13 +216,21 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         # the fused k|v output (v is a view of it) and the rotated k
         held = bsz * t_len * (norm + 3 * d_tp) * p
         put(f"memory.{g}", held, state=bsz * t_len * 2 * d_tp * p)
+    # A chunk of more than one segment runs its decoder projections on weight tapes
+    # (model/deferred.py), which keep their own copies of what backward needs.
+    n_segments: dict[int, int] = {}
+    for _, c in segments:
+        n_segments[c] = n_segments.get(c, 0) + 1
+    taped = {c for c, n in n_segments.items() if n > 1 and cfg.decoder_wgrad_block}
     if cfg.feedback_block:
-        # [e ; r], the gate, alpha * gate, Ws r and u per position; RMSNorm(s) per segment,
-        # whose broadcast over a segment of S > 1 positions is materialised for Ws r.
+        # [e ; r], the gate, alpha * gate, Ws r and u per position (u only where the first decoder
+        # layer's norm keeps it, not its tape's copy); RMSNorm(s) per segment, whose broadcast
+        # over a segment of S > 1 positions is materialised for Ws r.
         per_chunk: dict[int, int] = {}
         for (a, b), c in segments:
             s = b - a
-            per_chunk[c] = per_chunk.get(c, 0) + s * 6 * d + (norm if s == 1 else d + 1 + s * d)
+            per_chunk[c] = per_chunk.get(c, 0) + s * (5 if c in taped else 6) * d + (
+                norm if s == 1 else d + 1 + s * d)
         put("merge", bsz * p * sum(per_chunk.values()), held_ckpt=0,
             recompute=bsz * p * max(per_chunk.values()))
     chunks = [(a, b, min(w - 1, a)) for a, b in plan.chunks]  # each chunk's span and carried cache
@@ -228,7 +240,11 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         # and its output; keys live in one store per chunk, written in place (model/window.py),
         # so nothing here depends on the window W beyond the W-1 carried slots.
         per_tok = 3 * norm + residuals * d + 4 * f_tp + 2 * 2 * d_tp
-        per_chunk = [(b - a) * per_tok + (cache + b - a) * 2 * d_tp for a, b, cache in chunks]
+        # On a tape: each norm's input and rstd, the two attention outputs, the fused gate/up
+        # (model/deferred.py), and the queries the two reads save.
+        per_tok_taped = 3 * (d + 1) + 2 * d_tp + 2 * f_tp + 2 * d_tp
+        per_chunk = [(b - a) * (per_tok_taped if c in taped else per_tok) + (cache + b - a) * 2 * d_tp
+                     for c, (a, b, cache) in enumerate(chunks)]
         state = bsz * (w - 1) * (2 * d_tp * p + 2 * INDEX_BYTES)
         put(f"decoder.{i}", bsz * p * sum(per_chunk), held_ckpt=0,
             recompute=bsz * p * max(per_chunk), state=state)
