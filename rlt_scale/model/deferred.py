@@ -37,8 +37,12 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 
-from rlt_scale.model.layers import autocast_of
+from rlt_scale.model.layers import autocast_of, rms_rstd
 
 # Buffers a block writes in forward: the name, the projection whose weight gradient reads it.
 NORMED = ("qkv", "cross_q", "gate_up")  # RMSNorm of the residual stream, then a column projection
@@ -123,7 +127,7 @@ class _Flush(torch.autograd.Function):
         gemm("down", swiglu_interleaved(gu))
         block.dy, block.dnormed = {}, {}
         ctx.tape = ctx.block = None
-        return (None, None, *(grads.get(name) for name in tape.order))
+        return (None, None, *(grads.get(name) for name in tape.param))
 
 
 class _Norm(torch.autograd.Function):
@@ -131,7 +135,7 @@ class _Norm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, link, tape: "WeightTape", block: _Block, name: str, i: int, j: int):
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + tape.eps)
+        rstd = rms_rstd(x, tape.eps)
         block.x[name].data[:, i:j] = x.detach()
         block.rstd[name].data[:, i:j] = rstd
         ctx.save_for_backward(block.x[name], block.rstd[name])
@@ -211,7 +215,6 @@ class WeightTape:
         self.eps = layer.norm_attn.eps
         self.param = {name: lin.weight for name, lin in self.linear.items()}
         self.param.update({"norm." + name: norm.weight for name, norm in norms.items()})
-        self.order = list(self.param)
         self.in_features = {name: lin.weight.shape[1] for name, lin in self.linear.items()}
         self.in_features["down"] *= 2  # the buffer holds the fused gate/up that SwiGLU reads
         self.parallel = layer.attn.qkv.parallel
@@ -253,16 +256,12 @@ class WeightTape:
             self._open(z.shape[0])
         y, self.link = _Norm.apply(z, self.link, self, self.block, name, self.i, self.j)
         if self.parallel:
-            from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
-
             y = copy_to_tensor_model_parallel_region(y, group=self.tp_group)
         return self._project(name, y, keep=False)
 
     def _project(self, name: str, h: torch.Tensor, keep: bool) -> torch.Tensor:
         y, self.link = _Linear.apply(h, self.link, self, self.block, name, self.i, self.j, keep)
         if self.parallel and name not in NORMED:
-            from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
             y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y
 
@@ -282,6 +281,15 @@ class WeightTape:
         gu = self._normed("gate_up", z)
         h, self.link = _SwiGLU.apply(gu, self.link, self.block, self.i, self.j)
         return self._project("down", h, keep=False)
+
+
+def defers(block: int, n_segments: int) -> bool:
+    """Whether a chunk of ``n_segments`` runs on tapes under ``model.decoder_wgrad_block=block``.
+
+    Only where backward runs over more than one segment: for one segment (K=0,
+    every position at once) autograd's GEMMs already span the chunk.
+    """
+    return bool(block) and n_segments > 1
 
 
 def weight_blocks(segments: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:

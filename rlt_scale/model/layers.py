@@ -23,7 +23,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * rms_rstd(x, self.eps) * self.weight
+
+
+def rms_rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dim (kept): RMSNorm's scale."""
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class Rotary:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_scale.config import ModelConfig
 from rlt_scale.model.attention import plan_attention
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
-from rlt_scale.model.deferred import WeightTape, weight_blocks
+from rlt_scale.model.deferred import WeightTape, defers, weight_blocks
 from rlt_scale.model.layers import RMSNorm, Rotary, attend, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
@@ -242,13 +242,9 @@ class RLT(nn.Module):
         return torch.cat(outputs, dim=1), DecoderState(s, [w.close() for w in windows])
 
     def _weight_tapes(self, segments: list[tuple[int, int]]) -> list[Optional[WeightTape]]:
-        """Per decoder layer, the tape that defers its weight gradients over this chunk, or None.
-
-        Only where backward will run over more than one segment: for K=0 (one
-        segment, every position at once) autograd's GEMMs already span the chunk.
-        """
+        """Per decoder layer, the tape that defers its weight gradients over this chunk, or None."""
         size = self.cfg.decoder_wgrad_block
-        if not size or len(segments) < 2 or not torch.is_grad_enabled():
+        if not defers(size, len(segments)) or not torch.is_grad_enabled():
             return [None] * len(self.decoder)
         blocks = weight_blocks(segments, size)
         return [WeightTape(layer, blocks) for layer in self.decoder]

@@ -36,10 +36,11 @@ encoder and memory (O(T)), plus, per chunk boundary, the carried state
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model.deferred import defers
 from rlt_scale.profiling.workload import Workload
 
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
@@ -218,10 +219,7 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         put(f"memory.{g}", held, state=bsz * t_len * 2 * d_tp * p)
     # A chunk of more than one segment runs its decoder projections on weight tapes
     # (model/deferred.py), which keep their own copies of what backward needs.
-    n_segments: dict[int, int] = {}
-    for _, c in segments:
-        n_segments[c] = n_segments.get(c, 0) + 1
-    taped = {c for c, n in n_segments.items() if n > 1 and cfg.decoder_wgrad_block}
+    taped = {c for c, n in Counter(plan.chunk_of).items() if defers(cfg.decoder_wgrad_block, n)}
     if cfg.feedback_block:
         # [e ; r], the gate, alpha * gate, Ws r and u per position (u only where the first decoder
         # layer's norm keeps it, not its tape's copy); RMSNorm(s) per segment, whose broadcast
