@@ -11,8 +11,9 @@ records its error and the others still run (exit status 1 if any failed).
   weights and tokens computed on the CPU within ``BF16_REL`` (bf16 keeps 8
   significant bits: ~0.4% per rounding, and a loss sums many roundings).
 * ``throughput``  tokens/s and MFU (analytic model FLOPs against a named
-  peak) of whole optimizer steps, fp32 (TF32) and bf16. The CUDA-graph step
-  is not built yet (issue #13, item 4): the check says so instead of timing it.
+  peak) of whole optimizer steps: the layer-by-layer decoder in fp32 (TF32)
+  and bf16; the fused decoder step eager, compiled, and captured as CUDA
+  graphs (``decoder_compile=reduce-overhead``) in bf16.
 * ``memory``      the peak allocated memory of one step against the cost
   model's per-rank total (rlt_scale.profiling.memory).
 * ``generation``  sampling on the device with a device-side generator, and
@@ -102,29 +103,45 @@ def check_bf16_step(device, smoke):
     return out
 
 
+STEPS = {  # decoder step variant: model overrides (rlt_scale/model/fused.py)
+    "layers": ("decoder_step=layers",),
+    "fused": ("decoder_step=fused",),
+    "compiled": ("decoder_step=fused", "decoder_compile=default"),
+    "cuda_graph": ("decoder_step=fused", "decoder_compile=reduce-overhead"),
+}
+
+
 def check_throughput(device, smoke):
+    """Whole optimizer steps: the layer-by-layer decoder in fp32 (TF32) and bf16, then the fused step
+    eager, compiled and (on CUDA) captured as CUDA graphs in bf16. The first step of a compiled
+    variant compiles; its time is reported as ``first_step_s``. Smoke mode skips compiling."""
     out = {}
     steps = 2 if smoke else 5
     for name, (overrides, work) in _configs(smoke).items():
-        cfg, _ = model_config("tiny", overrides)
-        flops = analytic_flops(cfg, work)
-        model = make_model(cfg, seed=0, device=device.type)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tokens = make_tokens(cfg, work, device=device)
-        for precision in ("fp32", "bf16"):
-            ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-            with ctx:
-                train_step(model, optimizer, tokens, work)  # warm-up
-                _sync(device)
-                start = time.perf_counter()
-                for _ in range(steps):
-                    train_step(model, optimizer, tokens, work)
-                _sync(device)
-            step_s = (time.perf_counter() - start) / steps
-            tok_s = work.tokens / step_s
-            mfu = flops.model_flops / step_s / (PEAK_TFLOPS[device.type] * 1e12)
-            out[f"{name}/{precision}"] = {"step_s": step_s, "tokens_per_s": tok_s, "mfu": mfu}
-    out["cuda_graph_step"] = "not built (issue #13, item 4)"
+        flops = None
+        for variant, step_overrides in STEPS.items():
+            if smoke and any(o.startswith("decoder_compile") for o in step_overrides):
+                continue  # compiling takes minutes on a CPU: the smoke run checks the script, not compile
+            cfg, _ = model_config("tiny", overrides + step_overrides)
+            flops = flops or analytic_flops(cfg, work)
+            model = make_model(cfg, seed=0, device=device.type)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            tokens = make_tokens(cfg, work, device=device)
+            for precision in ("fp32", "bf16") if variant == "layers" else ("bf16",):
+                ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+                with ctx:
+                    start = time.perf_counter()
+                    train_step(model, optimizer, tokens, work)  # warm-up (and compile)
+                    _sync(device)
+                    first = time.perf_counter() - start
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        train_step(model, optimizer, tokens, work)
+                    _sync(device)
+                step_s = (time.perf_counter() - start) / steps
+                mfu = flops.model_flops / step_s / (PEAK_TFLOPS[device.type] * 1e12)
+                out[f"{name}/{variant}/{precision}"] = {"step_s": step_s, "first_step_s": first,
+                                                        "tokens_per_s": work.tokens / step_s, "mfu": mfu}
     return out
 
 

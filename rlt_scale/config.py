@@ -86,6 +86,18 @@ class ModelConfig:
     (``rlt_scale/model/deferred.py``): backward forms each decoder weight's gradient once
     per block of this many positions, as one GEMM, instead of once per position, and keeps
     less per position. 0: autograd's own per-position gradients. Same numbers either way."""
+    decoder_step: str = "layers"
+    """How the sequential decoder runs a layer at a position where its weight gradients are
+    deferred: ``layers`` as a dozen autograd nodes (the layer's own modules); ``fused`` as one
+    node whose forward and backward are two pure functions with the same shapes at every
+    position (``rlt_scale/model/fused.py``), the unit that ``decoder_compile`` compiles and
+    CUDA graphs capture. Same numbers either way; needs ``decoder_wgrad_block > 0``."""
+    decoder_compile: str = "none"
+    """Compile the fused step with ``torch.compile``: ``none``, ``default``, or ``reduce-overhead``
+    (CUDA graphs on CUDA). Compiled code is cached under ``decoder_compile_cache`` across runs."""
+    decoder_compile_cache: str = ".cache/inductor"
+    """Directory of the persistent compile cache (inductor's FX-graph cache), relative to the
+    working directory unless absolute; empty leaves torch's default (under /tmp)."""
     jacobi_tol: float = 1e-6
     """Jacobi: stop when every position's feedback moved by at most this much relative to
     its norm in the last sweep (and the adjoint likewise); 0 runs to the exact solution."""
@@ -130,6 +142,14 @@ class ModelConfig:
         _positive("model.jacobi_tol", self.jacobi_tol, allow_zero=True)
         _positive("model.jacobi_max_sweeps", self.jacobi_max_sweeps)
         _positive("model.decoder_wgrad_block", self.decoder_wgrad_block, allow_zero=True)
+        _choice("model.decoder_step", self.decoder_step, ("layers", "fused"))
+        _choice("model.decoder_compile", self.decoder_compile, ("none", "default", "reduce-overhead"))
+        if self.decoder_step == "fused" and not self.decoder_wgrad_block:
+            raise ConfigError("model.decoder_step", "fused runs on the weight tape: needs "
+                              "model.decoder_wgrad_block > 0, got 0")
+        if self.decoder_compile != "none" and self.decoder_step != "fused":
+            raise ConfigError("model.decoder_compile", f"compiles the fused step: needs "
+                              f"model.decoder_step=fused, got {self.decoder_step!r}")
 
 
 @dataclass

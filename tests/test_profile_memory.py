@@ -96,6 +96,9 @@ ACT_CASES = [
     (dict(feedback_block=0), Workload(2, 16, chunk_size=6, checkpoint=True)),
     (dict(feedback_block=1, tie_layers=False, n_enc_layers=3), Workload(2, 16, chunk_size=6, checkpoint=True,
                                                                        recompute_encoder=True)),
+    # the fused step keeps what the taped layers keep (rlt_scale/model/fused.py)
+    (dict(feedback_block=1, decoder_step="fused", decoder_wgrad_block=5), Workload(2, 16)),
+    (dict(feedback_block=3, decoder_step="fused"), Workload(2, 16, chunk_size=6, checkpoint=True)),
 ]
 
 

@@ -157,7 +157,7 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, self_attend, cross_attend, ops=None) -> torch.Tensor:
+    def forward(self, z, rope: Rotary, self_attend, cross_attend, ops=None, fused=None) -> torch.Tensor:
         """Run positions ``[B, S]`` that share one feedback.
 
         The caller owns where keys live: ``self_attend(q, k, v)`` attends
@@ -165,8 +165,12 @@ class DecoderLayer(nn.Module):
         records), ``cross_attend(q)`` over the memory entries these positions
         may read (see :mod:`rlt_scale.model.window`). ``ops`` runs the
         projections: the layer itself, or a :class:`~rlt_scale.model.deferred.WeightTape`
-        that computes the same with its weight gradients deferred.
+        that computes the same with its weight gradients deferred. ``fused(z)``,
+        if given, runs the whole layer instead as one autograd node
+        (:class:`~rlt_scale.model.fused.FusedStep`, the same math written out).
         """
+        if fused is not None:
+            return fused(z)
         ops = self if ops is None else ops
         q, k, v = _heads(ops.project_qkv(z), self.n_heads, 3)
         z = z + ops.project_out(merge_heads(self_attend(rope(q), rope(k), v)))

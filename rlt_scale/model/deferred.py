@@ -42,7 +42,7 @@ from megatron.core.tensor_parallel import (
     reduce_from_tensor_model_parallel_region,
 )
 
-from rlt_scale.model.layers import autocast_of, rms_rstd
+from rlt_scale.model.layers import autocast_of, rms_norm_backward, rms_rstd
 
 # Buffers a block writes in forward: the name, the projection whose weight gradient reads it.
 NORMED = ("qkv", "cross_q", "gate_up")  # RMSNorm of the residual stream, then a column projection
@@ -57,6 +57,15 @@ def _silu_parts(gu: torch.Tensor):
 def swiglu_interleaved(gu: torch.Tensor) -> torch.Tensor:
     gate, up = _silu_parts(gu)
     return F.silu(gate) * up
+
+
+def swiglu_interleaved_backward(dh: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """Gradient of the fused gate/up ``gu`` from the gradient ``dh`` of :func:`swiglu_interleaved`."""
+    gate, up = _silu_parts(gu)
+    sig = torch.sigmoid(gate)
+    d_gate = dh * up * sig * (1 + gate * (1 - sig))
+    d_up = dh * gate * sig
+    return torch.stack((d_gate, d_up), dim=-1).flatten(-2)
 
 
 class _Block:
@@ -147,9 +156,7 @@ class _Norm(torch.autograd.Function):
         x_all, rstd_all = ctx.saved_tensors
         x, rstd = x_all[:, ctx.i:ctx.j], rstd_all[:, ctx.i:ctx.j]
         ctx.block.put_grad(ctx.block.dnormed, ctx.name, ctx.i, ctx.j, dy)
-        normalised = x * rstd
-        g = dy * ctx.tape.norm[ctx.name]
-        dx = rstd * (g - normalised * (g * normalised).mean(-1, keepdim=True))
+        dx = rms_norm_backward(dy, x, rstd, ctx.tape.norm[ctx.name])
         ctx.tape = ctx.block = None
         return dx, None, None, None, None, None, None
 
@@ -192,11 +199,7 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, _):
         (gu_all,) = ctx.saved_tensors
-        gate, up = _silu_parts(gu_all[:, ctx.i:ctx.j].to(dh.dtype))
-        sig = torch.sigmoid(gate)
-        d_gate = dh * up * sig * (1 + gate * (1 - sig))
-        d_up = dh * gate * sig
-        return torch.stack((d_gate, d_up), dim=-1).flatten(-2), None, None, None, None
+        return swiglu_interleaved_backward(dh, gu_all[:, ctx.i:ctx.j].to(dh.dtype)), None, None, None, None
 
 
 class WeightTape:
@@ -236,6 +239,13 @@ class WeightTape:
         start = self.opening[0] if self.opening else self.block.start
         self.i, self.j = a - start, b - start
         return self
+
+    def enter(self, a: int, b: int, batch: int) -> _Block:
+        """Seek to segment ``[a, b)`` and open its block if it starts one: a fused step's way in."""
+        self.seek(a, b)
+        if self.opening:
+            self._open(batch)
+        return self.block
 
     def _open(self, batch: int) -> None:
         """Allocate the next block at its first projection (so profiles charge it to the layer)."""

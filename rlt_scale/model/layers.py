@@ -85,6 +85,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(hd))`` under a boolean mask, in ``q``'s dtype."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+
+
+def attend_backward(q, k, v, mask, d_out):
+    """``(dq, dk, dv)`` of :func:`attend`, the probabilities recomputed (as a fused backward does);
+    ``k``, ``v``, ``d_out`` are taken in ``q``'s dtype."""
+    k, v, d_out = k.to(q.dtype), v.to(q.dtype), d_out.to(q.dtype)
+    p = attention_probabilities(q, k, mask)
+    dp = d_out @ v.transpose(-1, -2)
+    ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5).to(q.dtype)
+    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+
+
+def rms_norm_backward(dy, x, rstd, weight):
+    """Input gradient of ``RMSNorm(x) = x * rstd * weight`` from its output gradient ``dy``."""
+    normalised = x * rstd
+    g = dy * weight
+    return rstd * (g - normalised * (g * normalised).mean(-1, keepdim=True))
+
+
 def autocast_of(t: torch.Tensor) -> Optional[torch.dtype]:
     """The autocast dtype in force for ``t``'s device type now, or None: what a custom
     autograd Function records in forward so that its backward can restore it."""

@@ -30,6 +30,7 @@ from rlt_scale.config import ModelConfig
 from rlt_scale.model.attention import plan_attention
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
 from rlt_scale.model.deferred import WeightTape, defers, weight_blocks
+from rlt_scale.model.fused import FusedStep, step_functions
 from rlt_scale.model.layers import RMSNorm, Rotary, attend, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
@@ -227,14 +228,16 @@ class RLT(nn.Module):
         reads = [MemoryKeys(m, offset, e.shape[1]) for m in memory]
         groups = [reads[self.cfg.memory_group_of(i)] for i in range(len(self.decoder))]
         tapes = self._weight_tapes(segments)
+        fused = self._fused_steps(windows, groups, tapes, rope, pos, doc)
         s, outputs = state.s, []
         for (a, b), e_seg in zip(segments, e.split([b - a for a, b in segments], dim=1)):
             seg_pos, seg_doc, seg_rope = pos[:, a:b], doc[:, a:b], rope.rows(a, b)
             z, feedback = self.feedback_in(e_seg, seg_pos, s)
-            for layer, window, read, tape in zip(self.decoder, windows, groups, tapes):
+            for layer, window, read, tape, step in zip(self.decoder, windows, groups, tapes, fused):
                 z = layer(z, seg_rope, partial(window.attend, a=a, b=b),
                           partial(read.attend, q_pos=seg_pos, q_doc=seg_doc, a=a, b=b),
-                          ops=tape.seek(a, b) if tape is not None else None)
+                          ops=tape.seek(a, b) if tape is not None and step is None else None,
+                          fused=partial(step, a=a, b=b) if step is not None else None)
             s = self.carry(z, seg_pos, feedback)
             outputs.append(z)
         for closing in reads + [t for t in tapes if t is not None]:
@@ -248,6 +251,19 @@ class RLT(nn.Module):
             return [None] * len(self.decoder)
         blocks = weight_blocks(segments, size)
         return [WeightTape(layer, blocks) for layer in self.decoder]
+
+    def _fused_steps(self, windows, reads, tapes, rope: Rotary, pos, doc) -> list[Optional[FusedStep]]:
+        """Per decoder layer, its :class:`FusedStep` over this chunk (``model.decoder_step=fused``), or None.
+
+        Fused steps drive the tapes, so they run exactly where tapes do.
+        """
+        if self.cfg.decoder_step != "fused":
+            return [None] * len(self.decoder)
+        functions = step_functions(self.cfg.decoder_compile, self.cfg.decoder_compile_cache)
+        slots = torch.arange(windows[0].offset + pos.shape[1], device=pos.device)  # the same for every layer
+        return [FusedStep(layer, window, read, tape, rope.cos, rope.sin, pos, doc, slots, self.tp.sum, functions)
+                if tape is not None else None
+                for layer, window, read, tape in zip(self.decoder, windows, reads, tapes)]
 
     # ------------------------------------------------------- teacher forcing
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -12,6 +12,7 @@ one process): :func:`rlt_scale.distributed.init_distributed` does that.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -24,6 +25,7 @@ from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    reduce_from_tensor_model_parallel_region,
     vocab_parallel_cross_entropy,
 )
 
@@ -51,9 +53,16 @@ class TensorParallel:
     def build(cls, group, params_dtype: str, init_std: float, applied_depth: int) -> "TensorParallel":
         return cls(group, DTYPES[params_dtype], init_std, init_std / math.sqrt(2 * applied_depth))
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return dist.get_world_size(self.group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the group, outside autograd: a row projection's output, or a
+        column projection's input gradient, in a step that writes its own backward."""
+        if self.size == 1:
+            return x
+        return reduce_from_tensor_model_parallel_region(x, group=self.group)
 
     def _megatron_config(self) -> ModelParallelConfig:
         # CPU initialisation draws the full weight from torch's CPU generator

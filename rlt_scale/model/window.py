@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_scale.model import attention
-from rlt_scale.model.layers import autocast_as, autocast_of, visibility
+from rlt_scale.model.layers import attend_backward, autocast_as, autocast_of, visibility
 from rlt_scale.model.state import KV
 
 
@@ -57,7 +57,9 @@ class KeyStore:
     def for_chunk(cls, carried: KV, pos: torch.Tensor, doc: torch.Tensor) -> "KeyStore":
         """The carried entries, then one empty slot per position of the chunk (``pos``/``doc`` cover both)."""
         b, h, p, hd = carried.k.shape
-        store = cls(carried.k.new_empty(b, h, pos.shape[1], hd), carried.v.new_empty(b, h, pos.shape[1], hd),
+        # zeros, not garbage: a fused step (rlt_scale.model.fused) reads a fixed span whose masked
+        # slots may not be written yet, and a masked NaN would still poison the softmax's sum
+        store = cls(carried.k.new_zeros(b, h, pos.shape[1], hd), carried.v.new_zeros(b, h, pos.shape[1], hd),
                     pos, doc)
         store.write(0, p, carried.k, carried.v)
         return store
@@ -70,9 +72,12 @@ class KeyStore:
         """Drop the store's own references once its chunk has run; the reads' saved copies remain."""
         self.k = self.v = self.pos = self.doc = None
 
-    def add_grad(self, lo: int, hi: int, dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]) -> None:
+    def ensure_grad(self) -> None:
         if self.grad_k is None:
             self.grad_k, self.grad_v = torch.zeros(self.shape, **self.options), torch.zeros(self.shape, **self.options)
+
+    def add_grad(self, lo: int, hi: int, dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]) -> None:
+        self.ensure_grad()
         if dk is not None:
             self.grad_k[:, :, lo:hi] += dk
         if dv is not None:
@@ -136,26 +141,21 @@ def _save_read(ctx, q, store: KeyStore, lo, hi, q_pos, q_doc, window):
 def _read_backward(ctx, d_out):
     """dq, and the span's dk/dv added into the store, from what the read saved.
 
-    Written out rather than left to autograd: the scores are recomputed from
-    the saved queries (what a fused attention backward does anyway), then
-    the four matmuls of the attention backward follow.
+    Written out rather than left to autograd (:func:`~rlt_scale.model.layers.attend_backward`):
+    the scores are recomputed from the saved queries, then the four matmuls
+    of the attention backward follow.
     """
     q, k_all, v_all, k_pos, k_doc, q_pos, q_doc = ctx.saved_tensors
     with autocast_as(q, ctx.autocast):  # the forward's precision (bf16 training)
         if ctx.autocast is not None:  # as autocast's SDPA saw them in forward
             q, d_out = q.to(ctx.autocast), d_out.to(ctx.autocast)
-        scale = q.shape[-1] ** -0.5
         dq = []
         for i, j, lo, hi in _tiles(q.shape[2], ctx.lo, ctx.hi, ctx.window):
-            qt, dt = q[:, :, i:j], d_out[:, :, i:j]
-            k, v = k_all[:, :, lo:hi].to(q.dtype), v_all[:, :, lo:hi].to(q.dtype)
             visible = visibility(q_pos[:, i:j], q_doc[:, i:j], k_pos[:, lo:hi], k_doc[:, lo:hi], ctx.window)
-            p = torch.softmax((qt @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf")), dim=-1)
-            p = p.to(q.dtype)
-            dp = dt @ v.transpose(-1, -2)
-            ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * scale).to(q.dtype)
-            ctx.store.add_grad(lo, hi, ds.transpose(-1, -2) @ qt, p.transpose(-1, -2) @ dt)
-            dq.append(ds @ k)
+            dq_tile, dk, dv = attend_backward(q[:, :, i:j], k_all[:, :, lo:hi], v_all[:, :, lo:hi], visible,
+                                              d_out[:, :, i:j])
+            ctx.store.add_grad(lo, hi, dk, dv)
+            dq.append(dq_tile)
         return _joined(dq)
 
 
@@ -241,10 +241,14 @@ class WindowKeys:
         self.store: Optional[KeyStore] = None
         self.link = None
 
-    def attend(self, q, k, v, a: int, b: int) -> torch.Tensor:
-        if self.store is None:  # allocated by the layer's first step, so profiles charge it to the layer
+    def open(self) -> None:
+        """Allocate the store at the layer's first step (so profiles charge it to the layer)."""
+        if self.store is None:
             self.store = KeyStore.for_chunk(self.carried, self.pos, self.doc)
             self.link = _Open.apply(self.carried.k, self.carried.v, self.store)
+
+    def attend(self, q, k, v, a: int, b: int) -> torch.Tensor:
+        self.open()
         at, hi = self.offset + a, self.offset + b
         lo = max(at - (self.window - 1), 0)
         q_pos, q_doc = self.pos[:, at:hi], self.doc[:, at:hi]

@@ -1,0 +1,158 @@
+"""The fused decoder step (rlt_scale.model.fused) against the layer-by-layer taped path, in float64.
+
+``model.decoder_step=layers`` runs each decoder layer at each position as its
+own modules on the weight tape; ``fused`` runs the same math as one autograd
+node whose backward is written out, with the window read as a fixed span and
+the memory read whole. Logits, the loss and every parameter's gradient must
+agree to 1e-10 (float64 rounds at ~1e-16 per op; the two sum the same terms
+in another order, and a dropped or doubled term shows up at ~1e-3 with these
+weights).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import grads
+from rlt_scale.training.bptt import BPTT, run_sequence
+from test_window_keys import _batch
+
+TOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty_tensors():
+    """Uninitialised memory reads as NaN: a fixed span over a slot not yet written must not matter."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(was[0])
+    torch.utils.deterministic.fill_uninitialized_memory = was[1]
+
+
+def _run(model, tokens, doc, step: str, bptt: BPTT = BPTT(), block: int = 3):
+    model.cfg.decoder_step, model.cfg.decoder_wgrad_block = step, block
+    model.zero_grad(set_to_none=True)
+    out = run_sequence(model, tokens, doc, bptt=bptt, want_logits=bptt.chunk_size == 0)
+    loss = out.loss_sum / out.n_targets
+    loss.backward()
+    return loss.detach(), out.logits, grads(model)
+
+
+def _same(got, ref, tol=TOL):
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert (got[name] - ref[name]).abs().max() <= tol, name
+
+
+CASES = [
+    dict(feedback_block=1, window=3),
+    dict(feedback_block=3, window=3),
+    dict(feedback_block=1, window=1),
+    dict(feedback_block=1, window=40),  # W > T
+    dict(feedback_block=3, window=40, tie_layers=False, memory_groups=2),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "K{feedback_block}-W{window}-tied{}".format(
+    c.get("tie_layers", True), **c))
+def test_fused_step_equals_the_layer_path(make_model, case):
+    model = make_model(**case)
+    tokens, doc = _batch(13, packed=True)
+    ref_loss, ref_logits, ref = _run(model, tokens, doc, "layers")
+    loss, logits, got = _run(model, tokens, doc, "fused")
+    assert abs(float(loss - ref_loss)) <= TOL
+    assert (logits - ref_logits).abs().max() <= TOL
+    _same(got, ref)
+    assert all(ref[n].abs().max() > 0 for n in ref if n.startswith("decoder.")), "a zero decoder gradient"
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_fused_step_across_checkpointed_chunks(make_model, k, ckpt):
+    """Chunks of 4 carry caches and feedback; with checkpointing the recomputed stores serve backward."""
+    model = make_model(feedback_block=k, window=3)
+    tokens, doc = _batch(13, packed=True, seed=1)
+    bptt = BPTT(chunk_size=4, checkpoint=ckpt)
+    ref_loss, _, ref = _run(model, tokens, doc, "layers", bptt)
+    loss, _, got = _run(model, tokens, doc, "fused", bptt)
+    assert abs(float(loss - ref_loss)) <= TOL
+    _same(got, ref)
+
+
+def test_fused_step_with_truncated_bptt(make_model):
+    model = make_model(feedback_block=1, window=3)
+    tokens, doc = _batch(13, packed=False, seed=2)
+    bptt = BPTT(chunk_size=4, tbptt_chunks=1, detach=frozenset({"s", "cache"}))
+    _, _, ref = _run(model, tokens, doc, "layers", bptt)
+    _, _, got = _run(model, tokens, doc, "fused", bptt)
+    _same(got, ref)
+
+
+def test_bf16_autocast_matches_the_layer_path(make_model):
+    """Under bf16 autocast the fused step casts as autocast does (weights once per chunk, matmuls and
+    attention in bf16, norms and the residual stream in fp32): the two paths agree to bf16 rounding
+    (rel 2e-2 on gradients: 8 mantissa bits, sums in another order)."""
+    model = make_model(feedback_block=1, window=3, params_dtype="float32")
+    tokens, doc = _batch(13, packed=True, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, _, ref = _run(model, tokens, doc, "layers")
+        loss, _, got = _run(model, tokens, doc, "fused")
+    assert abs(float(loss - ref_loss)) <= 2e-2 * abs(float(ref_loss))
+    for name in ref:
+        assert got[name].dtype == torch.float32
+        assert (got[name] - ref[name]).abs().max() <= 2e-2 * ref[name].abs().max() + 1e-6, name
+
+
+def test_evaluation_runs_the_layers(make_model):
+    """Without gradients there is no tape, and the fused step (a training step) is not used."""
+    model = make_model(feedback_block=1, window=3, decoder_step="fused")
+    tokens, doc = _batch(13, packed=True, seed=6)
+    with torch.no_grad():
+        fused = model(tokens[:, :-1], doc[:, :-1])
+        model.cfg.decoder_step = "layers"
+        layers = model(tokens[:, :-1], doc[:, :-1])
+    assert torch.equal(fused, layers)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (dict(decoder_step="fused", decoder_wgrad_block=0), "model.decoder_step"),
+    (dict(decoder_compile="default"), "model.decoder_compile"),
+    (dict(decoder_step="fast"), "model.decoder_step"),
+    (dict(decoder_step="fused", decoder_compile="max"), "model.decoder_compile"),
+])
+def test_validate_names_the_key(overrides, key):
+    from rlt_scale.config import ModelConfig
+    from rlt_scale.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        ModelConfig(**overrides).validate()
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_eager_and_serves_every_position(make_model, tmp_path):
+    """``decoder_compile=default``: the same numbers as the eager fused step (float64, 1e-12), from
+    a few graphs that serve every position (a position is an index tensor, not a constant the
+    trace would specialise on), all compiled in the first step; its cache is where the key says."""
+    from torch._dynamo.utils import counters
+
+    model = make_model(feedback_block=1, window=3, decoder_step="fused",
+                       decoder_compile_cache=str(tmp_path / "inductor"))
+    bptt = BPTT(chunk_size=8)
+    tokens, doc = _batch(23, packed=True, seed=7)
+    _, _, eager = _run(model, tokens, doc, "fused", bptt)
+    model.cfg.decoder_compile = "default"
+    before = counters["stats"]["unique_graphs"]
+    loss, _, compiled = _run(model, tokens, doc, "fused", bptt)
+    _same(compiled, eager, 1e-12)
+    graphs = counters["stats"]["unique_graphs"] - before
+    assert 2 <= graphs <= 12, graphs  # 23 positions x 2 layers, forward and backward: 92 steps
+    again, _, _ = _run(model, tokens, doc, "fused", bptt)
+    assert counters["stats"]["unique_graphs"] - before == graphs, "a second step compiled again"
+    assert torch.equal(again, loss)
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == str(tmp_path / "inductor"):  # the first compile here
+        assert any((tmp_path / "inductor").rglob("*")), "nothing written to the compile cache"
