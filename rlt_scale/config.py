@@ -97,7 +97,8 @@ class ModelConfig:
     (CUDA graphs on CUDA). Compiled code is cached under ``decoder_compile_cache`` across runs."""
     decoder_compile_cache: str = ".cache/inductor"
     """Directory of the persistent compile cache (inductor's FX-graph cache), relative to the
-    working directory unless absolute; empty leaves torch's default (under /tmp)."""
+    working directory unless absolute; it sets ``TORCHINDUCTOR_CACHE_DIR`` when the step is
+    first compiled. Empty leaves that variable, or torch's default under /tmp."""
     jacobi_tol: float = 1e-6
     """Jacobi: stop when every position's feedback moved by at most this much relative to
     its norm in the last sweep (and the adjoint likewise); 0 runs to the exact solution."""

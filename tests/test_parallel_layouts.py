@@ -61,12 +61,14 @@ SCHEDULES = {
                  "trainer.grad_accum_steps=4"],
 }
 SCHEDULES["K1-fused"] = SCHEDULES["K1-ckpt"] + ["model.decoder_step=fused", "model.decoder_wgrad_block=3"]
+SCHEDULES["K1-fused-compiled"] = SCHEDULES["K1-fused"] + ["model.decoder_compile=default"]
 BASIC = ("K1-ckpt", "K3-nockpt", "K1-G2")
 # Memory groups read on several stages (K1-G2 vs G=1) only matter to the pipeline.
 CASES = [(layout, schedule) for layout in LAYOUTS if layout != "pp4" for schedule in BASIC
          if "pp" in layout or schedule != "K1-G2"]
 CASES += [("pp2", "K3-tbptt-ckpt"), ("pp2", "K1-tbptt"), ("tp2xpp2", "K3-tbptt-ckpt"), ("pp4", "K2-L4-M4")]
-CASES += [("tp2", "K1-fused")]  # the fused step's own all-reduces (tp.sum) in forward and backward
+# the fused step's own all-reduces (tp.sum) in forward and backward, eager and traced by torch.compile
+CASES += [("tp2", "K1-fused"), ("tp2", "K1-fused-compiled")]
 
 
 @pytest.fixture(scope="module")

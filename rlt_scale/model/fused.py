@@ -191,8 +191,8 @@ def step_functions(mode: str = "none", cache_dir: str = "") -> tuple[Callable, C
     """
     if mode == "none":
         return step_forward, step_backward
-    if cache_dir:  # inductor reads it when it first writes its cache: set before the first compile
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(cache_dir))
+    if cache_dir:  # inductor looks the directory up in the environment whenever it reads or writes
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
     torch._inductor.config.fx_graph_cache = True  # the persistent cache (on by default; made explicit)
     # past the limit dynamo would quietly run a function eagerly; a handful of graphs per shape class
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
