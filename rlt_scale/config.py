@@ -91,7 +91,9 @@ class ModelConfig:
     deferred: ``layers`` as a dozen autograd nodes (the layer's own modules); ``fused`` as one
     node whose forward and backward are two pure functions with the same shapes at every
     position (``rlt_scale/model/fused.py``), the unit that ``decoder_compile`` compiles and
-    CUDA graphs capture. Same numbers either way; needs ``decoder_wgrad_block > 0``."""
+    CUDA graphs capture. Same numbers either way; needs ``decoder_wgrad_block > 0``. Like the
+    weight tape it serves one process's walk over whole chunks: the pipeline ring
+    (``parallel.pp > 1``), the Jacobi solver's sweeps and generation run the layers."""
     decoder_compile: str = "none"
     """Compile the fused step with ``torch.compile``: ``none``, ``default``, or ``reduce-overhead``
     (CUDA graphs on CUDA). Compiled code is cached under ``decoder_compile_cache`` across runs."""
