@@ -17,7 +17,9 @@ Two numbers per component:
   the encoder's causal attention is a full ``T x T`` product; the decoder's
   window attention of a segment of ``S`` positions reads its carried cache
   (``min(W-1, start)`` entries) plus the ``S`` new keys; its cross-attention
-  reads the memory up to the segment end. A fused attention backward
+  reads the memory up to the segment end. The fused decoder step
+  (``decoder_step=fused``) reads fixed spans instead: ``W-1+S`` window
+  slots, and the memory up to its chunk's end. A fused attention backward
   recomputes the scores (``attn_recompute``, half a forward); chunk
   checkpointing re-runs the merge, decoder and readout forward in backward
   (``ckpt_recompute``). HFU uses the sum of all four.
@@ -29,10 +31,11 @@ and MFU/HFU exclude it, as is conventional; it is there to show it is small.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model.deferred import defers
 from rlt_scale.profiling.workload import Workload
 
 # Non-matmul FLOPs per element (rough, forward only; see module docstring).
@@ -123,11 +126,19 @@ class FlopReport:
 def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
     """(query, key) pairs per sample: useful and executed, for the three attentions."""
     t_len, w = work.seq_len, cfg.window
+    plan = work.plan(cfg.feedback_block)
+    fused = set()  # chunks that run the fused step (model/fused.py): fixed spans, the whole memory
+    if cfg.decoder_step == "fused":
+        fused = {c for c, n in Counter(plan.chunk_of).items() if defers(cfg.decoder_wgrad_block, n)}
     window_exec = cross_exec = 0
-    for start, end in work.plan(cfg.feedback_block).segments:
+    for (start, end), c in zip(plan.segments, plan.chunk_of):
         s = end - start
-        window_exec += s * (min(w - 1, start) + s)
-        cross_exec += s * end
+        if c in fused:
+            window_exec += s * (w - 1 + s)
+            cross_exec += s * plan.chunks[c][1]
+        else:
+            window_exec += s * (min(w - 1, start) + s)
+            cross_exec += s * end
     causal = t_len * (t_len + 1) // 2
     return {
         "encoder_useful": causal, "encoder_exec": t_len * t_len,
