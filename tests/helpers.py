@@ -67,6 +67,24 @@ def grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def loss_logits_grads(model, tokens, doc, bptt):
+    """One forward+backward of ``run_sequence``: the mean loss, the logits (unchunked runs) and every gradient."""
+    from rlt_scale.training.bptt import run_sequence
+
+    model.zero_grad(set_to_none=True)
+    out = run_sequence(model, tokens, doc, bptt=bptt, want_logits=bptt.chunk_size == 0)
+    loss = out.loss_sum / out.n_targets
+    loss.backward()
+    return loss.detach(), out.logits, grads(model)
+
+
+def assert_same_grads(got: dict, ref: dict, tol: float) -> None:
+    """The same parameters have gradients, each within ``tol`` (max abs) of the reference."""
+    assert got.keys() == ref.keys()
+    for name in ref:
+        assert (got[name] - ref[name]).abs().max() <= tol, name
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

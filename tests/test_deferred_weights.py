@@ -16,7 +16,7 @@ import gc
 import pytest
 import torch
 
-from helpers import grads
+from helpers import assert_same_grads, loss_logits_grads
 from rlt_scale.training.bptt import BPTT, run_sequence
 from test_window_keys import _batch
 
@@ -25,11 +25,7 @@ TOL = 1e-10
 
 def _run(model, tokens, doc, block: int, bptt: BPTT = BPTT()):
     model.cfg.decoder_wgrad_block = block
-    model.zero_grad(set_to_none=True)
-    out = run_sequence(model, tokens, doc, bptt=bptt, want_logits=bptt.chunk_size == 0)
-    loss = out.loss_sum / out.n_targets
-    loss.backward()
-    return loss.detach(), out.logits, grads(model)
+    return loss_logits_grads(model, tokens, doc, bptt)
 
 
 CASES = [
@@ -51,9 +47,7 @@ def test_deferred_weight_gradients_equal_per_position_ones(make_model, case, blo
     loss, logits, got = _run(model, tokens, doc, block=block)
     assert abs(float(loss - ref_loss)) <= TOL
     assert (logits - ref_logits).abs().max() <= TOL
-    assert got.keys() == ref.keys()
-    for name in ref:
-        assert (got[name] - ref[name]).abs().max() <= TOL, name
+    assert_same_grads(got, ref, TOL)
     # the decoder's own weights are reached (a deferred gradient that never arrived would be None)
     assert all(ref[n].abs().max() > 0 for n in ref if n.startswith("decoder.")), "a zero decoder gradient"
 
@@ -68,8 +62,7 @@ def test_deferred_blocks_across_checkpointed_chunks(make_model, k, ckpt):
     ref_loss, _, ref = _run(model, tokens, doc, block=0, bptt=bptt)
     loss, _, got = _run(model, tokens, doc, block=3, bptt=bptt)
     assert abs(float(loss - ref_loss)) <= TOL
-    for name in ref:
-        assert (got[name] - ref[name]).abs().max() <= TOL, name
+    assert_same_grads(got, ref, TOL)
 
 
 def test_truncated_bptt_with_deferred_blocks(make_model):
@@ -79,8 +72,7 @@ def test_truncated_bptt_with_deferred_blocks(make_model):
     bptt = BPTT(chunk_size=4, tbptt_chunks=1, detach=frozenset({"s", "cache"}))
     _, _, ref = _run(model, tokens, doc, block=0, bptt=bptt)
     _, _, got = _run(model, tokens, doc, block=2, bptt=bptt)
-    for name in ref:
-        assert (got[name] - ref[name]).abs().max() <= TOL, name
+    assert_same_grads(got, ref, TOL)
 
 
 def test_backward_frees_every_block_gradient_buffer(make_model):

@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 
-from helpers import grads
-from rlt_scale.training.bptt import BPTT, run_sequence
+from helpers import assert_same_grads, loss_logits_grads
+from rlt_scale.training.bptt import BPTT
+from test_deferred_weights import CASES  # the same shapes: K, W vs T, tied or not
 from test_window_keys import _batch
 
 TOL = 1e-10
@@ -36,26 +37,7 @@ def poisoned_empty_tensors():
 
 def _run(model, tokens, doc, step: str, bptt: BPTT = BPTT(), block: int = 3):
     model.cfg.decoder_step, model.cfg.decoder_wgrad_block = step, block
-    model.zero_grad(set_to_none=True)
-    out = run_sequence(model, tokens, doc, bptt=bptt, want_logits=bptt.chunk_size == 0)
-    loss = out.loss_sum / out.n_targets
-    loss.backward()
-    return loss.detach(), out.logits, grads(model)
-
-
-def _same(got, ref, tol=TOL):
-    assert got.keys() == ref.keys()
-    for name in ref:
-        assert (got[name] - ref[name]).abs().max() <= tol, name
-
-
-CASES = [
-    dict(feedback_block=1, window=3),
-    dict(feedback_block=3, window=3),
-    dict(feedback_block=1, window=1),
-    dict(feedback_block=1, window=40),  # W > T
-    dict(feedback_block=3, window=40, tie_layers=False, memory_groups=2),
-]
+    return loss_logits_grads(model, tokens, doc, bptt)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "K{feedback_block}-W{window}-tied{}".format(
@@ -67,7 +49,7 @@ def test_fused_step_equals_the_layer_path(make_model, case):
     loss, logits, got = _run(model, tokens, doc, "fused")
     assert abs(float(loss - ref_loss)) <= TOL
     assert (logits - ref_logits).abs().max() <= TOL
-    _same(got, ref)
+    assert_same_grads(got, ref, TOL)
     assert all(ref[n].abs().max() > 0 for n in ref if n.startswith("decoder.")), "a zero decoder gradient"
 
 
@@ -81,7 +63,7 @@ def test_fused_step_across_checkpointed_chunks(make_model, k, ckpt):
     ref_loss, _, ref = _run(model, tokens, doc, "layers", bptt)
     loss, _, got = _run(model, tokens, doc, "fused", bptt)
     assert abs(float(loss - ref_loss)) <= TOL
-    _same(got, ref)
+    assert_same_grads(got, ref, TOL)
 
 
 def test_fused_step_with_truncated_bptt(make_model):
@@ -90,7 +72,7 @@ def test_fused_step_with_truncated_bptt(make_model):
     bptt = BPTT(chunk_size=4, tbptt_chunks=1, detach=frozenset({"s", "cache"}))
     _, _, ref = _run(model, tokens, doc, "layers", bptt)
     _, _, got = _run(model, tokens, doc, "fused", bptt)
-    _same(got, ref)
+    assert_same_grads(got, ref, TOL)
 
 
 def test_bf16_autocast_matches_the_layer_path(make_model):
@@ -148,7 +130,7 @@ def test_compiled_step_equals_eager_and_serves_every_position(make_model, tmp_pa
     model.cfg.decoder_compile = "default"
     before = counters["stats"]["unique_graphs"]
     loss, _, compiled = _run(model, tokens, doc, "fused", bptt)
-    _same(compiled, eager, 1e-12)
+    assert_same_grads(compiled, eager, 1e-12)
     graphs = counters["stats"]["unique_graphs"] - before
     assert 2 <= graphs <= 12, graphs  # 23 positions x 2 layers, forward and backward: 92 steps
     again, _, _ = _run(model, tokens, doc, "fused", bptt)

@@ -271,11 +271,11 @@ class FusedStep:
     """
 
     def __init__(self, layer, window: WindowKeys, read: MemoryKeys, tape: WeightTape, cos, sin,
-                 pos, doc, slots, tp_sum: Callable, functions: tuple[Callable, Callable]):
+                 slots, tp_sum: Callable, functions: tuple[Callable, Callable]):
         self.window, self.read, self.tape = window, read, tape
         self.run_forward, self.run_backward = functions
         self.n_heads, self.size = layer.n_heads, layer.window
-        self.cos, self.sin, self.pos, self.doc, self.tp_sum = cos, sin, pos, doc, tp_sum
+        self.cos, self.sin, self.tp_sum = cos, sin, tp_sum
         self.slots = slots  # every slot's index, so that a step's position is data, not a constant
 
     def __call__(self, z, a: int, b: int):
@@ -292,7 +292,7 @@ class FusedStep:
             out, (k, v), keep, (q, qc) = self.run_forward(
                 z, tape.weight, tape.norm, tape.eps, self.n_heads, self.size, self.tp_sum,
                 self.cos[:, :, a:b], self.sin[:, :, a:b], store.k, store.v, store.pos, store.doc, self.slots[at],
-                memory.k, memory.v, memory.pos, memory.doc, self.pos[:, a:b], self.doc[:, a:b])
+                memory.k, memory.v, memory.pos, memory.doc, store.pos[:, at:at + s], store.doc[:, at:at + s])
         store.write(at, at + s, k, v)
         i, j = tape.i, tape.j
         for name in NORMED + PLAIN:

@@ -228,7 +228,7 @@ class RLT(nn.Module):
         reads = [MemoryKeys(m, offset, e.shape[1]) for m in memory]
         groups = [reads[self.cfg.memory_group_of(i)] for i in range(len(self.decoder))]
         tapes = self._weight_tapes(segments)
-        fused = self._fused_steps(windows, groups, tapes, rope, pos, doc)
+        fused = self._fused_steps(windows, groups, tapes, rope, pos)
         s, outputs = state.s, []
         for (a, b), e_seg in zip(segments, e.split([b - a for a, b in segments], dim=1)):
             seg_pos, seg_doc, seg_rope = pos[:, a:b], doc[:, a:b], rope.rows(a, b)
@@ -252,7 +252,7 @@ class RLT(nn.Module):
         blocks = weight_blocks(segments, size)
         return [WeightTape(layer, blocks) for layer in self.decoder]
 
-    def _fused_steps(self, windows, reads, tapes, rope: Rotary, pos, doc) -> list[Optional[FusedStep]]:
+    def _fused_steps(self, windows, reads, tapes, rope: Rotary, pos) -> list[Optional[FusedStep]]:
         """Per decoder layer, its :class:`FusedStep` over this chunk (``model.decoder_step=fused``), or None.
 
         Fused steps drive the tapes, so they run exactly where tapes do.
@@ -261,7 +261,7 @@ class RLT(nn.Module):
             return [None] * len(self.decoder)
         functions = step_functions(self.cfg.decoder_compile, self.cfg.decoder_compile_cache)
         slots = torch.arange(windows[0].offset + pos.shape[1], device=pos.device)  # the same for every layer
-        return [FusedStep(layer, window, read, tape, rope.cos, rope.sin, pos, doc, slots, self.tp.sum, functions)
+        return [FusedStep(layer, window, read, tape, rope.cos, rope.sin, slots, self.tp.sum, functions)
                 if tape is not None else None
                 for layer, window, read, tape in zip(self.decoder, windows, reads, tapes)]
 
