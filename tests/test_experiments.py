@@ -155,7 +155,7 @@ def test_markdown_table_reports_mean_min_max():
              "train_length": 32, "steps": 100, "train_time_s": 1.0, "forward_flops_per_example": 2e6,
              "acc": {"16": a, "32": a}} for s, a in [(0, 0.5), (1, 1.0), (2, 0.75)]]
     table = st.markdown_table(recs)
-    assert "75.0 [50.0, 100.0]" in table and "~100 / ~100 / ~82 / 60.8" in table
+    assert "75.0 [50.0, 100.0]" in table and "16: ~100, 32: ~100, 64: ~82, 128: 60.8" in table
     assert "| answer |" in table  # records without a supervision field are the data's own (final) targets
 
 

@@ -1,4 +1,4 @@
-"""Synthetic state-tracking tasks: parity, five-state transitions and binary addition.
+"""Synthetic state-tracking tasks: parity, five-state, addition, the S5 word problem, arithmetic mod 5.
 
 Each task is a seeded generator that returns every sample of a dataset as one
 array. They share one token format, written with the byte tokenizer's ids so a
@@ -25,6 +25,26 @@ Tasks (``L`` is the length argument):
                 first: ``a0 b0 a1 b1 ... a(L-1) b(L-1)``; answer ``'0'/'1'``: the carry out of
                 ``a + b`` (bit ``L`` of the sum). ``seq_len = 2L + 2``.
 
+``s5``          body: ``L`` permutations of 5 elements, one token each; answer: their composition
+                (the permutation reached from the identity applying them left to right), one of
+                120 tokens. A permutation's token is ``128 + `` its index in lexicographic order
+                (``PERMUTATIONS``), so inputs and answers share one vocabulary. Chance: 1/120.
+``s5_swaps``    the same with only the 10 transpositions as inputs (the "swaps" variant): every
+                input swaps two elements. ``seq_len = L + 2`` for both.
+``mod5``        body: ``x0 o1 x1 ... oL xL``, digits ``'0'..'4'`` and operators ``'+' '-' '*'``, with
+                ``L`` operators; answer: the value evaluated **left to right** mod 5 (no precedence:
+                the running value is the state, each ``o x`` pair an action on it).
+                ``seq_len = 2L + 3``.
+``mod5_brackets``  the same grammar with round brackets: ``expr := term (op term)*``, ``term :=
+                digit | '(' expr ')'``; a bracket is evaluated first, each level left to right.
+                Exactly ``L // 4`` bracket pairs, placed by :func:`_bracketed` (random nesting), so
+                every sample has ``seq_len = 2L + 3 + 2 * (L // 4)``.
+
+S5 and arithmetic mod 5 follow the usual definitions of these tasks (the S5
+word problem of the state-tracking literature; modular arithmetic with and
+without brackets of the Chomsky-hierarchy benchmarks), in this token format;
+"length" is always the number of operations (permutations, operators).
+
 Carry chains (addition): reading down from the top bit, the carry out is decided
 by the first position that is not a *propagate* (``a_i != b_i``): a *generate*
 (``a_i = b_i = 1``) makes it 1, a *kill* (``a_i = b_i = 0``) makes it 0. The
@@ -40,6 +60,7 @@ balanced 50/50, to test whether more recurrence fixes longer carries.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,7 +72,12 @@ BOS = ByteTokenizer.bos_id
 EQUALS = ord("=")
 NUM_STATES = 5
 NUM_ACTIONS = 5
-TASKS = ("parity", "five_state", "addition")
+TASKS = ("parity", "five_state", "addition", "s5", "s5_swaps", "mod5", "mod5_brackets")
+PERMUTATIONS = np.array(list(itertools.permutations(range(5))), dtype=np.int64)
+"""``[120, 5]``: the elements of S5 in lexicographic order; row 0 is the identity."""
+PERMUTATION_BASE = 128
+"""Token id of permutation 0; permutation ``i`` is token ``128 + i`` (bytes above ASCII)."""
+OPERATORS = "+-*"
 
 
 @dataclass
@@ -157,9 +183,105 @@ def addition(num_samples: int, length: int, seed: int, carry_chain: int | None =
     return TaskSet(_assemble(body, ord("0") + carry), carry, meta, carry_chains(a, b))
 
 
+def _permutation_index() -> dict[tuple[int, ...], int]:
+    return {tuple(p): i for i, p in enumerate(PERMUTATIONS.tolist())}
+
+
+def composition_table() -> np.ndarray:
+    """``table[a, b]`` is the index of ``PERMUTATIONS[a]`` applied after ``PERMUTATIONS[b]`` (``a ∘ b``)."""
+    index = _permutation_index()
+    return np.array([[index[tuple(pa[pb])] for pb in PERMUTATIONS] for pa in PERMUTATIONS], dtype=np.int64)
+
+
+def swap_indices() -> np.ndarray:
+    """Indices (into ``PERMUTATIONS``) of the 10 transpositions."""
+    moved = (PERMUTATIONS != np.arange(5)).sum(axis=1)
+    return np.flatnonzero(moved == 2)
+
+
+def s5(num_samples: int, length: int, seed: int, swaps_only: bool = False) -> TaskSet:
+    """Uniform random permutations (or transpositions); the answer is their composition."""
+    _check(num_samples, length)
+    alphabet = swap_indices() if swaps_only else np.arange(len(PERMUTATIONS))
+    inputs = alphabet[np.random.default_rng(seed).integers(0, len(alphabet), size=(num_samples, length))]
+    table = composition_table()
+    state = np.zeros(num_samples, dtype=np.int64)  # the identity
+    for t in range(length):
+        state = table[inputs[:, t], state]
+    name = "s5_swaps" if swaps_only else "s5"
+    return TaskSet(_assemble(PERMUTATION_BASE + inputs, PERMUTATION_BASE + state), state,
+                   {"task": name, "length": length, "seed": seed, "order": "left_to_right",
+                    "token_base": PERMUTATION_BASE})
+
+
+def apply_operator(value, op: int, digit):
+    """``value op digit`` mod 5 for an operator index ``op`` into ``OPERATORS`` (works on arrays too)."""
+    return (value + digit) % 5 if op == 0 else (value - digit) % 5 if op == 1 else (value * digit) % 5
+
+
+def _fold(values: list[int], ops: list[int]) -> int:
+    value = values[0]
+    for op, digit in zip(ops, values[1:]):
+        value = apply_operator(value, op, digit)
+    return value
+
+
+def _bracketed(digits: list[int], ops: list[int], pairs: int, rng: np.random.Generator) -> tuple[list[int], int]:
+    """Tokens and value of one expression with exactly ``pairs`` random bracket pairs.
+
+    The sequence starts as ``L + 1`` units (digits) joined by operators; each
+    step wraps a random run of 2-4 adjacent units into one bracketed unit, so
+    later brackets may enclose earlier ones (random nesting depth).
+    """
+    units = [([ord("0") + d], d) for d in digits]
+    ops = list(ops)
+    for left in range(pairs, 0, -1):
+        longest = min(4, len(units) - left + 1)  # leave enough units for the remaining pairs
+        run = int(rng.integers(2, longest + 1))
+        i = int(rng.integers(0, len(units) - run + 1))
+        group, inner = units[i:i + run], ops[i:i + run - 1]
+        tokens = [ord("(")] + group[0][0]
+        for op, (toks, _) in zip(inner, group[1:]):
+            tokens += [ord(OPERATORS[op])] + toks
+        units[i:i + run] = [(tokens + [ord(")")], _fold([v for _, v in group], inner))]
+        del ops[i:i + run - 1]
+    out = units[0][0]
+    for op, (toks, _) in zip(ops, units[1:]):
+        out = out + [ord(OPERATORS[op])] + toks
+    return out, _fold([v for _, v in units], ops)
+
+
+def mod5(num_samples: int, length: int, seed: int, brackets: bool = False) -> TaskSet:
+    """Random digits and operators mod 5, evaluated left to right (brackets first when ``brackets``)."""
+    _check(num_samples, length)
+    rng = np.random.default_rng(seed)
+    digits = rng.integers(0, 5, size=(num_samples, length + 1))
+    ops = rng.integers(0, len(OPERATORS), size=(num_samples, length))
+    if brackets:
+        rows = [_bracketed(d, o, length // 4, rng) for d, o in zip(digits.tolist(), ops.tolist())]
+        body = np.array([r[0] for r in rows], dtype=np.int64)
+        answers = np.array([r[1] for r in rows], dtype=np.int64)
+    else:
+        answers = digits[:, 0].copy()
+        for t in range(length):
+            o = ops[:, t]
+            answers = np.where(o == 0, answers + digits[:, t + 1],
+                               np.where(o == 1, answers - digits[:, t + 1], answers * digits[:, t + 1])) % 5
+        body = np.empty((num_samples, 2 * length + 1), dtype=np.int64)
+        body[:, 0::2] = ord("0") + digits
+        body[:, 1::2] = np.array([ord(c) for c in OPERATORS])[ops]
+    name = "mod5_brackets" if brackets else "mod5"
+    meta = {"task": name, "length": length, "seed": seed, "order": "left_to_right"}
+    if brackets:
+        meta["bracket_pairs"] = length // 4
+    return TaskSet(_assemble(body, ord("0") + answers), answers, meta)
+
+
 def generate(task: str, num_samples: int, length: int, seed: int, **options) -> TaskSet:
     """Dispatch by name: ``generate("five_state", 1000, 32, seed=0, table_seed=0)``."""
-    generators = {"parity": parity, "five_state": five_state, "addition": addition}
+    generators = {"parity": parity, "five_state": five_state, "addition": addition, "s5": s5,
+                  "s5_swaps": lambda n, L, seed: s5(n, L, seed, swaps_only=True), "mod5": mod5,
+                  "mod5_brackets": lambda n, L, seed: mod5(n, L, seed, brackets=True)}
     if task not in generators:
         raise ConfigError("task", f"expected one of {TASKS}, got {task!r}")
     return generators[task](num_samples, length, seed, **options)

@@ -8,8 +8,8 @@ teacher-forced logits at input position ``T-1`` (the ``'='``). The answer is
 never an input to that position, so teacher forcing is exact here.
 
 The prediction is the argmax over the task's *answer tokens* (``'0'/'1'``
-for parity and addition, ``'0'..'4'`` for five-state): chance is then exactly
-1/2 and 1/5. Pass ``answer_tokens=None`` to take the argmax over the whole
+for parity and addition, ``'0'..'4'`` for five-state and mod-5 arithmetic, the
+120 permutation tokens for S5): chance is then exactly 1/2, 1/5 and 1/120. Pass ``answer_tokens=None`` to take the argmax over the whole
 vocabulary instead.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from rlt_scale.data.config import DataConfig
 from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.data.tasks import PERMUTATION_BASE, PERMUTATIONS
 from rlt_scale.model.rlt import answer_predictions
 from rlt_scale.training.bptt import BPTT, run_sequence
 
@@ -32,6 +33,10 @@ ANSWER_TOKENS = {
     "parity": tuple(ord(c) for c in "01"),
     "addition": tuple(ord(c) for c in "01"),
     "five_state": tuple(ord(c) for c in "01234"),
+    "s5": tuple(range(PERMUTATION_BASE, PERMUTATION_BASE + len(PERMUTATIONS))),
+    "s5_swaps": tuple(range(PERMUTATION_BASE, PERMUTATION_BASE + len(PERMUTATIONS))),
+    "mod5": tuple(ord(c) for c in "01234"),
+    "mod5_brackets": tuple(ord(c) for c in "01234"),
 }
 """Token ids of the possible answers of each task."""
 

@@ -1,36 +1,41 @@
-"""The state-tracking table: RLT-1, RLT-0, a causal Transformer and a GRU on parity, five-state and addition.
+"""The state-tracking table: RLT-1, RLT-2, RLT-0, a causal Transformer and a GRU on synthetic state tracking.
 
 Usage::
 
-    python -m rlt_scale.experiments.state_tracking                      # everything in the protocol, 3 seeds
-    python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1_a1,rlt0,transformer,gru --seeds 0
+    python -m rlt_scale.experiments.state_tracking                      # the whole protocol, 3 seeds
+    python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1_a1,gru --seeds 0
     python -m rlt_scale.experiments.state_tracking --tasks parity --supervision final   # answer-only loss
+    python -m rlt_scale.experiments.state_tracking --lrs 1e-3           # no sweep: one learning rate
     python -m rlt_scale.experiments.state_tracking --quick              # smoke run of the pipeline, minutes
     python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1 --seeds 0 \\
         --set model.window=16 --tag w16                                 # a variant (RLT configs only)
-    python -m rlt_scale.experiments.state_tracking --table-only         # rewrite results.md from results.json
+    python -m rlt_scale.experiments.state_tracking --table-only         # rewrite results.md (+ plots)
 
-What one run is:
+The protocol of one table row (task, model, supervision, tag):
 
-1. data (prepared once, reused): the training set of the task at its training
-   length with a validation split (``OUT/eval``), the same at each length of the
-   task's ``curriculum`` if it has one, and per evaluated length a test
-   set of ``eval_samples`` fresh programs from an independent seed (addition:
-   plus one set per carry chain), all webdataset shards written by
-   :func:`rlt_scale.data.prepare.prepare_task`;
-2. training: every model through the ordinary ``rlt-train`` loop
-   (:class:`~rlt_scale.training.trainer.Trainer` on the YAML in
-   ``configs/experiments/`` plus the overrides printed in the log and stored in
-   the results; a baseline is handed to it as the model); each stops early on
-   validation accuracy and keeps the best weights.
-   The loss covers the answer only, or the running state too (``supervision``,
-   :mod:`~rlt_scale.experiments.supervision`); a curriculum trains shorter
-   programs first (:mod:`~rlt_scale.experiments.curriculum`);
-3. test: final-state accuracy (argmax over the answer tokens) at every length.
+1. **Data** (prepared once, reused; every set has a generator seed of its own):
+   the training set at the training length, seed ``train_seed``, with its
+   validation split (``OUT/eval``, for early stopping) and, for a curriculum,
+   the same at each stage's length; **validation sets** at ``val_lengths``
+   (seed :func:`val_seed`), used for every choice; **test sets** at
+   ``eval_lengths`` (seed :func:`test_seed`), scored once per row.
+2. **Selection.** Every model gets the same sweep: each learning rate of
+   ``lr_sweep`` is trained on each of ``selection_seeds`` (the best weights by
+   early stopping kept), then scored on the validation sets only. The learning
+   rate with the highest mean validation accuracy (over the training-length
+   split and ``val_lengths``, then over the selection seeds) is the row's.
+3. **Test.** Each seed of the row is trained at the chosen learning rate (the
+   selection runs are reused, not retrained) and scored on the test sets.
 
-Runs are appended to ``OUT/results.json`` as they finish and the markdown table
-``OUT/results.md`` is rewritten each time; a run already in the results is
-skipped (``--force`` reruns it), so an interrupted table resumes.
+Every run goes through the ordinary ``rlt-train`` loop
+(:class:`~rlt_scale.training.trainer.Trainer`, the YAML in
+``configs/experiments/`` plus the overrides stored in each record); the loss
+covers the answer only or the running state too (``supervision``); a
+curriculum trains shorter programs first. Runs are appended to
+``OUT/results.json`` as they finish (``"phase": "select"`` for a sweep run,
+``"test"`` for a table run) and ``OUT/results.md`` is rewritten each time; a
+run already there is skipped (``--force`` reruns it), so an interrupted table
+resumes. Tables and plots: :mod:`rlt_scale.experiments.report`.
 """
 
 from __future__ import annotations
@@ -48,35 +53,14 @@ import torch
 from omegaconf import OmegaConf
 
 from rlt_scale.data.prepare import prepare_task
+from rlt_scale.experiments.curriculum import Stage, build_trainer, is_baseline, train_stages
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
-from rlt_scale.experiments.curriculum import Stage, is_baseline, train_stages
+from rlt_scale.experiments.report import markdown_table, plot_accuracy, selection_table
 from rlt_scale.experiments.supervision import SUPERVISIONS, target_fn
 
 DEFAULT_PROTOCOL = "configs/experiments/state_tracking.yaml"
 DEFAULT_OUT = "runs/experiments/state_tracking"
-MODEL_LABELS = {"rlt1": "RLT-1", "rlt1_a1": "RLT-1, alpha=1", "rlt0": "RLT-0 (no feedback)",
-                "transformer": "Transformer", "gru": "GRU"}
-SUPERVISION_LABELS = {"final": "answer", "running": "every state"}
-TASK_LABELS = {"parity": "parity", "five_state": "five-state", "addition": "addition"}
-
-PUBLISHED: dict[str, dict[str, dict[int, str]]] = {
-    "parity": {
-        "rlt1": {16: "~100", 32: "~100", 64: "~82", 128: "60.8"},
-        "rlt0": {16: "~98", 32: "~59", 64: "~49", 128: "~50"},
-        "transformer": {16: "~98", 32: "~72", 64: "~50", 128: "~48"},
-        "gru": {128: "100"},
-    },
-    "five_state": {
-        "rlt1": {16: "~100", 32: "~100", 64: "~49", 128: "20.7"},
-        "rlt0": {16: "~50", 32: "~23", 64: "~20", 128: "~20"},
-        "transformer": {16: "~54", 32: "~24", 64: "~20", 128: "~21"},
-        "gru": {128: "99.97"},
-    },
-}
-"""The published proof of concept (~79K parameters, 3 seeds, trained at 32 operations), accuracy in %."""
-PUBLISHED_AS = {"rlt1_a1": "rlt1"}
-"""Our variants shown next to a published row: RLT-1 with alpha=1 is the RLT of the published table."""
 
 
 # ------------------------------------------------------------------ protocol
@@ -105,18 +89,47 @@ def train_dir(proto: dict, task: str, length: Optional[int] = None) -> Path:
     return Path(proto["data_root"]) / task / f"train-L{length}-n{spec['train_samples']}-s{proto['train_seed']}"
 
 
+def eval_samples(proto: dict, length: int) -> int:
+    """Test programs at ``length``: ``eval_samples``, or fewer for the long lengths of ``eval_samples_at``.
+
+    Evaluating the RLT costs O(T^2) per program (every position reads the
+    memory), so a 2048-operation test set is cut to keep the table's budget.
+    """
+    return int((proto.get("eval_samples_at") or {}).get(length, proto["eval_samples"]))
+
+
 def test_dir(proto: dict, task: str, length: int) -> Path:
     """The test programs of ``length`` are in ``test_dir/eval`` (addition buckets: ``test_dir/eval-carry-CC``)."""
-    return Path(proto["data_root"]) / task / f"test-L{length}-n{proto['eval_samples']}"
+    return Path(proto["data_root"]) / task / f"test-L{length}-n{eval_samples(proto, length)}"
+
+
+def val_dir(proto: dict, task: str, length: int) -> Path:
+    """The validation programs of ``length`` (for selection) are in ``val_dir/eval``."""
+    return Path(proto["data_root"]) / task / f"val-L{length}-n{proto['val_long_samples']}"
 
 
 def test_seed(length: int) -> int:
-    """Test sets use generator seeds of their own (the training set uses ``train_seed``, 0 by default)."""
+    """Test sets use generator seeds of their own, never used for training or validation."""
     return 1_000_003 + length
 
 
+def val_seed(length: int) -> int:
+    """Validation sets (every selection and probe) use seeds apart from the test and training seeds."""
+    return 2_000_003 + length
+
+
+def _prepare(task: str, out: Path, length: int, seed: int, samples: int, buckets=None, log=print) -> None:
+    names = ["eval"] + [f"eval-carry-{c:02d}" for c in (buckets or [])]
+    if all(_ready(out / n) for n in names):
+        return
+    start = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    prepare_task(task, out, 1, length, seed, eval_samples=samples, eval_length=length, carry_buckets=buckets)
+    log(f"prepared {out} ({samples} programs, seed {seed}) in {time.perf_counter() - start:.1f}s")
+
+
 def prepare_data(proto: dict, task: str, log=print) -> None:
-    """Prepare (once) the training/validation sets (curriculum stages included) and the test sets of ``task``."""
+    """Prepare (once) the training sets (curriculum stages included), the validation sets and the test sets."""
     spec = proto["tasks"][task]
     for length in [*spec.get("curriculum", []), spec["train_length"]]:
         out = train_dir(proto, task, length)
@@ -127,17 +140,12 @@ def prepare_data(proto: dict, task: str, log=print) -> None:
         prepare_task(task, out, spec["train_samples"], length, proto["train_seed"],
                      eval_samples=proto["val_samples"], carry_buckets=[])
         log(f"prepared {out} ({spec['train_samples']} + {proto['val_samples']} val) in {time.perf_counter() - start:.1f}s")
-    buckets = [c for c in spec.get("carry_buckets", [])] if task == "addition" else None
+    for length in spec.get("val_lengths", []):
+        _prepare(task, val_dir(proto, task, length), length, val_seed(length), proto["val_long_samples"], log=log)
+    buckets = spec.get("carry_buckets", []) if task == "addition" else []
     for length in spec["eval_lengths"]:
-        out = test_dir(proto, task, length)
-        names = ["eval"] + [f"eval-carry-{c:02d}" for c in (buckets or []) if c <= length]
-        if all(_ready(out / n) for n in names):
-            continue
-        start = time.perf_counter()
-        shutil.rmtree(out, ignore_errors=True)
-        prepare_task(task, out, 1, length, test_seed(length), eval_samples=proto["eval_samples"], eval_length=length,
-                     carry_buckets=[c for c in (buckets or []) if c <= length] or None)
-        log(f"prepared {out} ({proto['eval_samples']} test programs) in {time.perf_counter() - start:.1f}s")
+        _prepare(task, test_dir(proto, task, length), length, test_seed(length), eval_samples(proto, length),
+                 [c for c in buckets if c <= length] or None, log=log)
 
 
 # ------------------------------------------------------------------- FLOPs
@@ -152,43 +160,90 @@ def rlt_forward_flops(model_cfg, seq_len: int) -> Optional[int]:
         return None
 
 
+def seq_len_of(task: str, length: int) -> int:
+    """Input positions of one program of ``length`` operations (the format of rlt_scale.data.tasks)."""
+    if task == "addition":
+        return 2 * length + 2
+    if task == "mod5":
+        return 2 * length + 3
+    if task == "mod5_brackets":
+        return 2 * length + 3 + 2 * (length // 4)
+    return length + 2
+
+
 # --------------------------------------------------------------------- runs
-def run_key(task: str, model: str, seed: int, tag: str = "", supervision: str = "final") -> str:
-    """``task-model[-tag][-running]-sSEED``: final-answer supervision, the data's own, adds nothing."""
-    return f"{task}-{model}{'-' + tag if tag else ''}{'-' + supervision if supervision != 'final' else ''}-s{seed}"
+def lr_tag(lr: float) -> str:
+    """``3e-4`` -> ``lr3e-4``: the learning rate's part of a sweep run's key."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"lr{mantissa}e{int(exponent)}"
 
 
-def run_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
-            extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None) -> dict:
-    """Train one (task, model, seed), restore its best validation weights and test it at every length.
+def run_key(task: str, model: str, seed: int, tag: str = "", supervision: str = "final",
+            lr: Optional[float] = None) -> str:
+    """``task-model[-tag][-running][-lrX]-sSEED``: final-answer supervision, the data's own, adds nothing."""
+    parts = [task, model] + ([tag] if tag else []) + (["running"] if supervision != "final" else [])
+    return "-".join(parts + ([lr_tag(lr)] if lr is not None else []) + [f"s{seed}"])
 
-    ``supervision`` ('final' or 'running', default the protocol's) picks the
-    training targets (:mod:`rlt_scale.experiments.supervision`); every model
-    of a table gets the same.
+
+def lr_overrides(proto: dict, lr: Optional[float]) -> tuple[list[str], list[str]]:
+    """Overrides of the first stage and of the later curriculum stages for peak learning rate ``lr``.
+
+    The cosine floor is a tenth of the peak; later stages restart at
+    ``curriculum_lr_scale`` of it (a restart at the full peak throws a model
+    that has just learned a shorter length off again, docs/RESULTS.md).
+    """
+    if lr is None:
+        return [], []
+    later = lr * proto.get("curriculum_lr_scale", 1.0)
+    return ([f"optimizer.lr={lr}", f"optimizer.min_lr={lr / 10}"],
+            [f"optimizer.lr={later}", f"optimizer.min_lr={later / 10}"])
+
+
+def _predictor(net, rlt: bool):
+    return rlt_predictor(net) if rlt else module_predictor(net)
+
+
+def eval_batch(proto: dict, seq_len: int) -> int:
+    """Evaluation micro-batch: ``eval_batch_size``, fewer for long programs (``eval_batch_tokens`` per batch)."""
+    return max(1, min(proto["eval_batch_size"], proto.get("eval_batch_tokens", 1 << 30) // seq_len))
+
+
+def _accuracy(proto: dict, task: str, predict, folder: Path, length: int) -> float:
+    return evaluate_path(predict, str(folder), ANSWER_TOKENS[task], eval_batch(proto, seq_len_of(task, length))).accuracy
+
+
+def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
+              extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None,
+              lr: Optional[float] = None, validate: bool = True) -> tuple[dict, torch.nn.Module, bool]:
+    """Train one (task, model, seed[, lr]), keep its best weights (``best.pt``) and score the validation sets.
+
+    Returns the record (no test figures), the network with its best weights
+    restored, and whether it is an RLT. ``lr`` overrides the config's peak
+    learning rate (a sweep point); ``extra`` overrides come last and win.
     """
     spec = proto["tasks"][task]
     supervision = supervision or proto.get("supervision", "final")
     targets = target_fn(task, supervision)
-    key = run_key(task, model, seed, tag, supervision)
+    key = run_key(task, model, seed, tag, supervision, lr)
     run_dir = out / "runs" / key
     shutil.rmtree(run_dir, ignore_errors=True)
     max_steps = steps or spec["max_steps"]
-    common = [f"trainer.seed={seed}", f"data.seed={seed}"] + list(extra or [])
+    first_lr, later_lr = lr_overrides(proto, lr)
+    common = [f"trainer.seed={seed}", f"data.seed={seed}"] + first_lr + list(extra or [])
     es = proto["early_stopping"]
     stopper = EarlyStopper(target=es["target"], patience=es["patience"], min_delta=es.get("min_delta", 0.0))
-    later = tuple(spec.get("curriculum_overrides", []))  # for every stage after the first
+    later = (*later_lr, *spec.get("curriculum_overrides", []), *(extra or []))  # every stage after the first
     stages = [Stage(length, train_dir(proto, task, length), spec.get("curriculum_steps", max_steps),
                     EarlyStopper(target=spec.get("curriculum_advance", es["target"]), patience=0), later if i else ())
               for i, length in enumerate(spec.get("curriculum", []))]
     stages.append(Stage(spec["train_length"], train_dir(proto, task), max_steps, stopper, later if stages else ()))
-    answers = ANSWER_TOKENS[task]
     config_path = proto["models"][model]
     log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
         f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
-    seq_len = spec["train_length"] * (2 if task == "addition" else 1) + 2
+    seq_len = seq_len_of(task, spec["train_length"])
     start = time.perf_counter()
     rlt = not is_baseline(config_path)
-    trained = train_stages(config_path, stages, run_dir, common, answers, proto, targets, log)
+    trained = train_stages(config_path, stages, run_dir, common, ANSWER_TOKENS[task], proto, targets, log)
     net = trained.model
     if rlt:
         counts = net.parameter_counts()
@@ -197,42 +252,82 @@ def run_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Opt
     else:
         params = applied = sum(p.numel() for p in net.parameters())
         flops = int(net.forward_flops(seq_len))
-    steps_run = trained.steps
     train_time = time.perf_counter() - start
     stopper.restore(net)
-    predict = rlt_predictor(net) if rlt else module_predictor(net)
+    torch.save(net.state_dict(), run_dir / "best.pt")
+    val_acc = {str(spec["train_length"]): stopper.best_acc}
+    if validate:
+        predict = _predictor(net, rlt)
+        for length in spec.get("val_lengths", []):
+            val_acc[str(length)] = _accuracy(proto, task, predict, val_dir(proto, task, length) / "eval", length)
+    record = {
+        "key": key, "task": task, "model": model, "tag": tag, "seed": seed, "lr": lr,
+        "config": config_path, "overrides": common, "later_stage_overrides": list(later) if stages[:-1] else [],
+        "train_data": str(train_dir(proto, task)), "supervision": supervision,
+        "curriculum": spec.get("curriculum", []), "stage_steps": trained.stage_steps,
+        "parameters": params, "applied_parameters": applied,
+        "train_length": spec["train_length"], "seq_len": seq_len, "forward_flops_per_example": flops,
+        "max_steps": max_steps, "steps": trained.steps, "stopped_early": stopper.stopped_early,
+        "best_step": stopper.best_step, "best_val_acc": stopper.best_acc, "val_history": stopper.history,
+        "val_acc": val_acc, "selection_score": statistics.mean(val_acc.values()),
+        "train_time_s": round(train_time, 1), "run_dir": str(run_dir),
+    }
+    log(f"== {key}: {trained.steps} steps ({'early stop' if stopper.stopped_early else 'budget'}), best val "
+        f"{stopper.best_acc:.4f} at {stopper.best_step}, train {train_time:.0f}s; validation "
+        + " ".join(f"L={L}:{a:.4f}" for L, a in val_acc.items()))
+    return record, net, rlt
 
+
+def test_one(proto: dict, task: str, net: torch.nn.Module, rlt: bool, log=print) -> dict:
+    """Score the test sets (final-state accuracy at every ``eval_lengths``; addition: per carry chain)."""
+    spec = proto["tasks"][task]
+    predict = _predictor(net, rlt)
     start = time.perf_counter()
     acc: dict[str, float] = {}
     carry: dict[str, dict[str, float]] = {}
     for length in spec["eval_lengths"]:
         folder = test_dir(proto, task, length)
-        acc[str(length)] = evaluate_path(predict, str(folder / "eval"), answers, proto["eval_batch_size"]).accuracy
+        acc[str(length)] = _accuracy(proto, task, predict, folder / "eval", length)
         line = f"  test L={length}: {acc[str(length)]:.4f}"
         if task == "addition":
-            carry[str(length)] = {}
-            for c in spec.get("carry_buckets", []):
-                if (folder / f"eval-carry-{c:02d}").exists():
-                    carry[str(length)][str(c)] = evaluate_path(predict, str(folder / f"eval-carry-{c:02d}"), answers,
-                                                               proto["eval_batch_size"]).accuracy
+            carry[str(length)] = {str(c): _accuracy(proto, task, predict, folder / f"eval-carry-{c:02d}", length)
+                                  for c in spec.get("carry_buckets", []) if (folder / f"eval-carry-{c:02d}").exists()}
             line += "  carry " + " ".join(f"{c}:{a:.3f}" for c, a in carry[str(length)].items())
         log(line)
-    eval_time = time.perf_counter() - start
-    record = {
-        "key": key, "task": task, "model": model, "tag": tag, "seed": seed,
-        "config": config_path, "overrides": common, "train_data": str(train_dir(proto, task)),
-        "supervision": supervision, "curriculum": spec.get("curriculum", []), "stage_steps": trained.stage_steps,
-        "parameters": params, "applied_parameters": applied,
-        "train_length": spec["train_length"], "seq_len": seq_len, "forward_flops_per_example": flops,
-        "max_steps": max_steps, "steps": steps_run, "stopped_early": stopper.stopped_early,
-        "best_step": stopper.best_step, "best_val_acc": stopper.best_acc, "val_history": stopper.history,
-        "train_time_s": round(train_time, 1), "eval_time_s": round(eval_time, 1), "acc": acc,
-    }
+    result = {"acc": acc, "eval_time_s": round(time.perf_counter() - start, 1)}
     if carry:
-        record["carry_acc"] = carry
-    log(f"== {record['key']}: {steps_run} steps ({'early stop' if stopper.stopped_early else 'budget'}), "
-        f"best val {stopper.best_acc:.4f} at {stopper.best_step}, train {train_time:.0f}s, test {eval_time:.0f}s")
+        result["carry_acc"] = carry
+    return result
+
+
+def run_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
+            extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None,
+            lr: Optional[float] = None) -> dict:
+    """Train one run and score it on the test sets at once: a table row's run whose recipe is already fixed."""
+    record, net, rlt = train_one(proto, task, model, seed, out, steps, extra, tag, log, supervision, lr,
+                                 validate=False)
+    record.update(test_one(proto, task, net, rlt, log), phase="test", key=run_key(task, model, seed, tag,
+                                                                                  record["supervision"]))
     return record
+
+
+def load_best(proto: dict, record: dict, task: str) -> torch.nn.Module:
+    """The network of a finished run with its best weights (``best.pt``), built as the run built it."""
+    stopper = EarlyStopper()
+    overrides = [f"data.path={train_dir(proto, task)}", f"data.eval_path={train_dir(proto, task) / 'eval'}",
+                 f"checkpoint.dir={record['run_dir']}/reload", "trainer.max_steps=1", *record["overrides"]]
+    trainer, _ = build_trainer(record["config"], overrides, stopper, ANSWER_TOKENS[task], proto,
+                               Path(record["run_dir"]), None)
+    trainer.model.load_state_dict(torch.load(Path(record["run_dir"]) / "best.pt", weights_only=True))
+    return trainer.model
+
+
+def choose_lr(selection: list[dict]) -> float:
+    """The learning rate of the highest mean selection score over the selection seeds (ties: the first swept)."""
+    by_lr: dict[float, list[float]] = {}
+    for r in selection:
+        by_lr.setdefault(r["lr"], []).append(r["selection_score"])
+    return max(by_lr, key=lambda lr: statistics.mean(by_lr[lr]))
 
 
 # ------------------------------------------------------------------ results
@@ -247,61 +342,6 @@ def save_results(path: Path, records: list[dict]) -> None:
     tmp.replace(path)
 
 
-def _cell(values: list[float]) -> str:
-    if not values:
-        return ""
-    pct = [100 * v for v in values]
-    if len(pct) == 1:
-        return f"{pct[0]:.1f}"
-    return f"{statistics.mean(pct):.1f} [{min(pct):.1f}, {max(pct):.1f}]"
-
-
-def _groups(records: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
-    groups: dict[tuple[str, str, str, str], list[dict]] = {}
-    task_order = list(TASK_LABELS)
-    model_order = list(MODEL_LABELS)
-    for r in sorted(records, key=lambda r: (task_order.index(r["task"]) if r["task"] in task_order else 99,
-                                            r.get("supervision", "final"), r.get("tag", ""),
-                                            model_order.index(r["model"]) if r["model"] in model_order else 99,
-                                            r["seed"])):
-        groups.setdefault((r["task"], r["model"], r.get("tag", ""), r.get("supervision", "final")), []).append(r)
-    return groups
-
-
-def markdown_table(records: list[dict]) -> str:
-    """Accuracy (%) at each test length: mean [min, max] over seeds, next to the published numbers."""
-    lengths = sorted({int(L) for r in records for L in r["acc"]})
-    head = ["task", "model", "loss on", "params", "seeds", "steps run", *[f"{L}" for L in lengths],
-            "published " + "/".join(str(L) for L in (16, 32, 64, 128)), "fwd MFLOPs/example", "train s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (task, model, tag, supervision), rs in _groups(records).items():
-        label = MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else "")
-        pub = PUBLISHED.get(task, {}).get(PUBLISHED_AS.get(model, model), {})
-        comparable = not tag and rs[0]["train_length"] == 32 and not rs[0].get("quick")
-        pub_cell = " / ".join(pub.get(L, "-") for L in (16, 32, 64, 128)) if pub and comparable else ""
-        flops = rs[0].get("forward_flops_per_example")
-        steps = sorted(r["steps"] for r in rs)
-        row = [TASK_LABELS.get(task, task) + f" (train {rs[0]['train_length']})", label,
-               SUPERVISION_LABELS[supervision],
-               f"{rs[0]['parameters']:,}",
-               ",".join(str(r["seed"]) for r in rs), "/".join(str(s) for s in steps),
-               *[_cell([r["acc"][str(L)] for r in rs if str(L) in r["acc"]]) for L in lengths],
-               pub_cell, f"{flops / 1e6:.2f}" if flops else "?", f"{sum(r['train_time_s'] for r in rs):.0f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    carry = [r for r in records if r.get("carry_acc")]
-    if carry:
-        lines += ["", "Addition: accuracy (%) by carry chain (mean [min, max] over seeds).", ""]
-        cols = sorted({(int(L), int(c)) for r in carry for L, d in r["carry_acc"].items() for c in d})
-        head = ["model", "loss on", *[f"L={L} chain {c}" for L, c in cols]]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for (task, model, tag, supervision), rs in _groups(carry).items():
-            row = [MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else ""), SUPERVISION_LABELS[supervision],
-                   *[_cell([r["carry_acc"][str(L)][str(c)] for r in rs if str(c) in r["carry_acc"].get(str(L), {})])
-                     for L, c in cols]]
-            lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------------- CLI
 def _csv(text: str) -> list[str]:
     return [t for t in text.split(",") if t]
@@ -310,9 +350,11 @@ def _csv(text: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlt_scale.experiments.state_tracking",
                                 description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tasks", default="parity,five_state,addition", help="comma-separated: parity,five_state,addition")
+    p.add_argument("--tasks", help="comma-separated tasks of the protocol (default: its run_tasks)")
     p.add_argument("--models", help="comma-separated names of the protocol's models (default: its run_models)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (initialization and data order)")
+    p.add_argument("--lrs", help="comma-separated peak learning rates to sweep (default: the protocol's lr_sweep); "
+                                 "one value: no selection")
     p.add_argument("--steps", type=int, help="max optimizer steps per run (default: the protocol's per task)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
@@ -325,49 +367,103 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training targets: the final answer only, or the running state after every operation too "
                         "(default: the protocol's); evaluation is final-state accuracy either way")
     p.add_argument("--force", action="store_true", help="rerun runs already in results.json")
-    p.add_argument("--table-only", action="store_true", help="only rewrite results.md from results.json")
+    p.add_argument("--table-only", action="store_true", help="only rewrite results.md and the plots from results.json")
+    p.add_argument("--plots", help="directory for the accuracy-vs-length PNGs (default OUT/plots)")
     return p
+
+
+class Table:
+    """``results.json`` and ``results.md`` of one output directory, rewritten after every run."""
+
+    def __init__(self, out: Path):
+        self.out, self.path = out, out / "results.json"
+        self.records = load_results(self.path)
+
+    def find(self, key: str) -> Optional[dict]:
+        return next((r for r in self.records if r["key"] == key), None)
+
+    def add(self, record: dict) -> None:
+        self.records = [r for r in load_results(self.path) if r["key"] != record["key"]] + [record]
+        save_results(self.path, self.records)
+        self.write_markdown()
+
+    def write_markdown(self) -> str:
+        text = markdown_table(self.records)
+        sel = selection_table(self.records)
+        if sel:
+            text += "\nLearning-rate selection (validation sets only):\n\n" + sel
+        (self.out / "results.md").write_text(text)
+        return text
+
+
+def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], lrs: list[Optional[float]],
+            args, log) -> None:
+    """Selection over ``lrs`` on the selection seeds (validation only), then every seed at the chosen one, tested."""
+    supervision = args.supervision or proto.get("supervision", "final")
+    run = dict(steps=args.steps, extra=args.set, tag=args.tag, log=log, supervision=supervision)
+    chosen = lrs[0]
+    nets: dict[tuple, tuple] = {}
+    if len(lrs) > 1:
+        selection = []
+        for lr in lrs:
+            for seed in proto.get("selection_seeds", [0]):
+                key = run_key(task, model, seed, args.tag, supervision, lr)
+                record = table.find(key)
+                if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
+                    record, net, rlt = train_one(proto, task, model, seed, table.out, lr=lr, **run)
+                    record.update(phase="select", quick=args.quick)
+                    table.add(record)
+                    nets[(lr, seed)] = (net, rlt)
+                selection.append(record)
+        chosen = choose_lr(selection)
+        log(f"== {task}/{model}: lr {chosen:g} chosen on validation "
+            + " ".join(f"{r['lr']:g}/s{r['seed']}:{r['selection_score']:.4f}" for r in selection))
+    for seed in seeds:
+        key = run_key(task, model, seed, args.tag, supervision)
+        if table.find(key) is not None and not args.force:
+            log(f"skip {key}: already in {table.path}")
+            continue
+        reused = table.find(run_key(task, model, seed, args.tag, supervision, chosen)) if len(lrs) > 1 else None
+        if reused is not None:
+            net, rlt = nets.get((chosen, seed)) or (load_best(proto, reused, task), not is_baseline(reused["config"]))
+            record = dict(reused)
+        else:
+            record, net, rlt = train_one(proto, task, model, seed, table.out, lr=chosen, validate=False, **run)
+        record.update(test_one(proto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
+                      lr=chosen, swept_lrs=[lr for lr in lrs if lr is not None])
+        table.add(record)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out + ("-quick" if args.quick and args.out == DEFAULT_OUT else ""))
-    results_path = out / "results.json"
-    records = load_results(results_path)
+    out.mkdir(parents=True, exist_ok=True)
+    table = Table(out)
+    plots = Path(args.plots) if args.plots else out / "plots"
     if args.table_only:
-        (out / "results.md").write_text(markdown_table(records))
-        print(markdown_table(records))
+        print(table.write_markdown())
+        if table.records:
+            print("plots:", *plot_accuracy(table.records, plots))
         return 0
     proto = load_protocol(args.protocol, args.quick)
-    tasks, seeds = _csv(args.tasks), [int(s) for s in _csv(args.seeds)]
+    tasks = _csv(args.tasks) if args.tasks else proto.get("run_tasks", list(proto["tasks"]))
+    seeds = [int(s) for s in _csv(args.seeds)]
     models = _csv(args.models) if args.models else proto.get("run_models", list(proto["models"]))
-    for task in tasks:
-        if task not in proto["tasks"]:
-            print(f"unknown task {task!r}; the protocol has {list(proto['tasks'])}", file=sys.stderr)
-            return 2
-    for model in models:
-        if model not in proto["models"]:
-            print(f"unknown model {model!r}; the protocol has {list(proto['models'])}", file=sys.stderr)
-            return 2
+    lrs: list[Optional[float]] = [float(x) for x in _csv(args.lrs)] if args.lrs else proto.get("lr_sweep") or [None]
+    for name, chosen, known in (("task", tasks, proto["tasks"]), ("model", models, proto["models"])):
+        for item in chosen:
+            if item not in known:
+                print(f"unknown {name} {item!r}; the protocol {args.protocol} has {list(known)}", file=sys.stderr)
+                return 2
     torch.set_num_threads(1)
-    out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    log = lambda *a: print(*a, flush=True)  # noqa: E731
     for task in tasks:
-        prepare_data(proto, task)
-        for seed in seeds:
-            for model in models:
-                key = run_key(task, model, seed, args.tag, args.supervision or proto.get("supervision", "final"))
-                if any(r["key"] == key for r in records) and not args.force:
-                    print(f"skip {key}: already in {results_path}", flush=True)
-                    continue
-                record = run_one(proto, task, model, seed, out, args.steps, args.set, args.tag,
-                                 log=lambda *a: print(*a, flush=True), supervision=args.supervision)
-                record["quick"] = args.quick
-                records = [r for r in load_results(results_path) if r["key"] != key] + [record]
-                save_results(results_path, records)
-                (out / "results.md").write_text(markdown_table(records))
-    print(f"\ntotal wall time {time.perf_counter() - started:.0f}s; results in {results_path}\n", flush=True)
-    print(markdown_table(records), flush=True)
+        prepare_data(proto, task, log)
+        for model in models:
+            run_row(proto, table, task, model, seeds, lrs, args, log)
+    print(f"\ntotal wall time {time.perf_counter() - started:.0f}s; results in {table.path}\n", flush=True)
+    print(table.write_markdown(), flush=True)
     return 0
 
 

@@ -9,7 +9,10 @@ effect of the bits, and models sit at chance for a long time (docs/RESULTS.md).
 ``running`` supervision also trains, at the input position of every operation,
 the state reached after that operation (parity: the parity of the prefix;
 five-state: the state; addition: the carry out of the bits read so far, at the
-``b_i`` positions only, since a carry is only known once both bits are read).
+``b_i`` positions only, since a carry is only known once both bits are read;
+S5: the composed permutation so far; mod-5 arithmetic: the value of the
+expression read so far at each digit, and with brackets the running value of
+the innermost open level at each digit or ``')'`` that ends a term).
 The targets are a pure function of the program, computed here from the tokens,
 so the prepared shards stay as they are. The answer position keeps its
 ordinary target, and evaluation stays final-state accuracy at that position.
@@ -25,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_scale.data.tasks import transition_table
+from rlt_scale.data.tasks import OPERATORS, PERMUTATION_BASE, apply_operator, composition_table, transition_table
 
 SUPERVISIONS = ("final", "running")
 
@@ -72,7 +75,59 @@ def addition_targets(tokens: torch.Tensor):
     return _with_answer(ord("0") + targets, valid, tokens)
 
 
-_RUNNING = {"parity": parity_targets, "five_state": five_state_targets, "addition": addition_targets}
+def s5_targets(tokens: torch.Tensor):
+    table = torch.as_tensor(composition_table(), device=tokens.device)
+    inputs = tokens[:, 1:-2] - PERMUTATION_BASE
+    state = torch.zeros(len(tokens), dtype=torch.long, device=tokens.device)  # the identity
+    states = []
+    for t in range(inputs.shape[1]):
+        state = table[inputs[:, t], state]
+        states.append(state)
+    return _with_answer(PERMUTATION_BASE + torch.stack(states, dim=1), torch.ones_like(inputs, dtype=torch.bool),
+                        tokens)
+
+
+def mod5_targets(tokens: torch.Tensor):
+    """At each ``x_t`` (body positions 0, 2, 4, ...) the left-to-right value of ``x0 o1 .. x_t``."""
+    body = tokens[:, 1:-2]
+    digits = body[:, 0::2] - ord("0")
+    ops = torch.zeros_like(body[:, 1::2])
+    for i, c in enumerate(OPERATORS):
+        ops[body[:, 1::2] == ord(c)] = i
+    value = digits[:, 0]
+    targets, valid = torch.zeros_like(body), torch.zeros_like(body, dtype=torch.bool)
+    targets[:, 0], valid[:, 0] = value, True
+    for t in range(ops.shape[1]):
+        d = digits[:, t + 1]
+        value = torch.where(ops[:, t] == 0, value + d, torch.where(ops[:, t] == 1, value - d, value * d)) % 5
+        targets[:, 2 * t + 2], valid[:, 2 * t + 2] = value, True
+    return _with_answer(ord("0") + targets, valid, tokens)
+
+
+def mod5_brackets_targets(tokens: torch.Tensor):
+    """A stack machine per row: at each term's end (digit or ')'), the running value of its level."""
+    body = tokens[:, 1:-2].tolist()
+    targets = torch.zeros(tokens.shape[0], tokens.shape[1] - 3, dtype=torch.long)
+    valid = torch.zeros_like(targets, dtype=torch.bool)
+    for row, seq in enumerate(body):
+        stack: list[list] = [[None, None]]  # per open level: [value so far, pending operator]
+        for i, tok in enumerate(seq):
+            ch = chr(tok)
+            if ch == "(":
+                stack.append([None, None])
+                continue
+            if ch in OPERATORS:
+                stack[-1][1] = OPERATORS.index(ch)
+                continue
+            term = stack.pop()[0] if ch == ")" else int(ch)
+            level = stack[-1]
+            level[0] = term if level[0] is None else apply_operator(level[0], level[1], term)
+            targets[row, i], valid[row, i] = level[0], True
+    return _with_answer(ord("0") + targets.to(tokens.device), valid.to(tokens.device), tokens)
+
+
+_RUNNING = {"parity": parity_targets, "five_state": five_state_targets, "addition": addition_targets,
+            "s5": s5_targets, "s5_swaps": s5_targets, "mod5": mod5_targets, "mod5_brackets": mod5_brackets_targets}
 
 
 def as_objective_targets(fn: TargetFn):

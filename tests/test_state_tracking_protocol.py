@@ -1,0 +1,193 @@
+"""The research protocol kept honest: task generators against independent solvers, seed separation, the
+answer-only loss mask, and a learning-rate choice that reads validation sets only."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from rlt_scale.data import tasks
+from rlt_scale.data.loader import StreamingLoader
+from rlt_scale.data.config import DataConfig
+from rlt_scale.experiments import state_tracking as st
+from rlt_scale.experiments.evaluate import ANSWER_TOKENS
+from rlt_scale.experiments.supervision import target_fn
+from rlt_scale.training.bptt import next_token_targets
+
+
+# ---------------------------------------------------------------- generators
+def _compose(perms: list[tuple[int, ...]]) -> tuple[int, ...]:
+    state = tuple(range(5))
+    for p in perms:  # apply p after the state so far: (p o state)(i) = p[state[i]]
+        state = tuple(p[state[i]] for i in range(5))
+    return state
+
+
+@pytest.mark.parametrize("task", ["s5", "s5_swaps"])
+def test_s5_answers_are_the_composition(task):
+    data = tasks.generate(task, 200, 9, seed=5)
+    perms = list(itertools.permutations(range(5)))
+    assert data.tokens.shape == (200, 9 + 3)
+    for row, answer in zip(data.tokens, data.answers):
+        inputs = [perms[t - tasks.PERMUTATION_BASE] for t in row[1:-2]]
+        if task == "s5_swaps":
+            assert all(sum(p[i] != i for i in range(5)) == 2 for p in inputs), "swaps only"
+        assert perms[answer] == _compose(inputs)
+        assert row[-1] == tasks.PERMUTATION_BASE + answer and row[-2] == ord("=")
+    assert len(set(data.answers.tolist())) > 40  # the answers spread over S5 (60 reachable with swaps at odd L)
+    assert set(ANSWER_TOKENS[task]) == set(range(tasks.PERMUTATION_BASE, tasks.PERMUTATION_BASE + 120))
+
+
+def _evaluate(text: str) -> int:
+    """An independent recursive-descent evaluator: brackets first, left to right mod 5, no precedence."""
+    pos = 0
+
+    def expr() -> int:
+        nonlocal pos
+        value = term()
+        while pos < len(text) and text[pos] in "+-*":
+            op, pos = text[pos], pos + 1
+            rhs = term()
+            value = {"+": value + rhs, "-": value - rhs, "*": value * rhs}[op] % 5
+        return value
+
+    def term() -> int:
+        nonlocal pos
+        if text[pos] == "(":
+            pos += 1
+            value = expr()
+            assert text[pos] == ")"
+            pos += 1
+            return value
+        pos += 1
+        return int(text[pos - 1])
+
+    value = expr()
+    assert pos == len(text), "the whole expression parses"
+    return value
+
+
+@pytest.mark.parametrize("task, length", [("mod5", 7), ("mod5_brackets", 13), ("mod5_brackets", 32)])
+def test_mod5_answers_match_an_independent_evaluator(task, length):
+    data = tasks.generate(task, 300, length, seed=2)
+    assert data.seq_len == st.seq_len_of(task, length)
+    for row, answer in zip(data.tokens, data.answers):
+        text = "".join(map(chr, row[1:-2]))
+        assert sum(c.isdigit() for c in text) == length + 1 and sum(c in "+-*" for c in text) == length
+        if task == "mod5_brackets":
+            assert text.count("(") == text.count(")") == length // 4
+        else:
+            assert "(" not in text
+        assert _evaluate(text) == answer and row[-1] == ord("0") + answer
+    assert set(data.answers.tolist()) == {0, 1, 2, 3, 4}
+    if task == "mod5_brackets":
+        depths = [max(itertools.accumulate((c == "(") - (c == ")") for c in "".join(map(chr, r[1:-2]))))
+                  for r in data.tokens]
+        assert max(depths) >= 2, "brackets nest"
+
+
+@pytest.mark.parametrize("task", ["s5", "mod5", "mod5_brackets"])
+def test_running_targets_end_in_the_answer_and_agree_with_prefixes(task):
+    data = tasks.generate(task, 16, 8, seed=1)
+    tokens = torch.as_tensor(data.tokens)
+    targets, valid = target_fn(task, "running")(tokens)
+    assert targets.shape == valid.shape == (16, tokens.shape[1] - 1)
+    assert valid[:, -1].all() and (targets[:, -1] == tokens[:, -1]).all()
+    if task == "mod5":  # the target at digit x_t is the value of the prefix x0 .. x_t
+        for row in range(4):
+            text = "".join(map(chr, data.tokens[row, 1:-2]))
+            for i in range(0, len(text), 2):
+                assert valid[row, 1 + i] and targets[row, 1 + i] == ord("0") + _evaluate(text[: i + 1])
+                assert i + 1 >= len(text) or not valid[row, 2 + i]  # operators carry no target
+
+
+def test_unknown_task_is_refused_by_name():
+    with pytest.raises(Exception, match="task"):
+        tasks.generate("s6", 1, 4, seed=0)
+
+
+# ------------------------------------------------------------------- seeds
+def _rows(path) -> set[bytes]:
+    loader = StreamingLoader(DataConfig(path=str(path)), batch_size=64, path=str(path))
+    out = set()
+    for batch in loader.iter_epoch_once():
+        for tokens, mask in zip(batch["tokens"], batch["loss_mask"]):
+            if mask[-1]:
+                out.add(tokens.numpy().tobytes())
+    return out
+
+
+def tiny_protocol(root) -> dict:
+    proto = st.load_protocol()
+    proto.update(data_root=str(root / "data"), val_samples=64, val_long_samples=64, eval_samples=128,
+                 eval_samples_at={40: 32}, lr_sweep=[1e-3, 3e-3], selection_seeds=[0], supervision="final")
+    proto["early_stopping"] = {"target": 0.99, "patience": 0, "min_delta": 0.0}
+    proto["tasks"] = {"parity": {"train_length": 24, "train_samples": 512, "max_steps": 40,
+                                 "val_lengths": [24, 40], "eval_lengths": [24, 40]}}
+    return proto
+
+
+def test_validation_and_test_sets_are_disjoint_from_training_and_each_other(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    assert len({proto["train_seed"], *(st.val_seed(L) for L in (24, 40)), *(st.test_seed(L) for L in (24, 40))}) == 5
+    train = _rows(st.train_dir(proto, "parity")) | _rows(st.train_dir(proto, "parity") / "eval")
+    val = _rows(st.val_dir(proto, "parity", 24) / "eval")
+    test = _rows(st.test_dir(proto, "parity", 24) / "eval")
+    assert len(val) == 64 and len(test) == 128  # 2^24 programs: distinct seeds give disjoint sets
+    assert not (train & val) and not (train & test) and not (val & test)
+    assert len(_rows(st.test_dir(proto, "parity", 40) / "eval")) == 32  # eval_samples_at cuts a long set
+
+
+# ------------------------------------------------------- answer-only mask
+def test_answer_only_loss_trains_exactly_the_answer_at_the_equals_position(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    path = st.train_dir(proto, "parity")
+    batch = next(iter(StreamingLoader(DataConfig(path=str(path)), batch_size=32, path=str(path)).iter_epoch_once()))
+    targets, valid = next_token_targets(batch)  # the objective of supervision "final"
+    assert valid.sum(dim=1).tolist() == [1] * 32, "one target per program"
+    assert valid[:, -1].all(), "at the last input position"
+    assert (batch["tokens"][:, -2] == ord("=")).all(), "which holds the '='"
+    bits = batch["tokens"][:, 1:-2] - ord("0")
+    assert (targets[:, -1] == ord("0") + bits.sum(dim=1) % 2).all(), "and the target is the parity"
+    assert st.target_fn("parity", "final") is None  # final supervision uses exactly these targets
+
+
+# ---------------------------------------------------------------- selection
+def test_choose_lr_takes_the_best_mean_validation_score():
+    recs = [{"lr": 1e-3, "selection_score": s} for s in (0.9, 0.5)] + [{"lr": 3e-3, "selection_score": 0.8}]
+    assert st.choose_lr(recs) == 3e-3
+    assert st.lr_tag(3e-4) == "lr3e-4" and st.run_key("parity", "gru", 1, lr=1e-3) == "parity-gru-lr1e-3-s1"
+
+
+def test_the_sweep_selects_on_validation_and_tests_each_seed_once(tmp_path, monkeypatch):
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    tested = []
+    real_test_one = st.test_one
+
+    def counting_test_one(proto_, task, net, rlt, log=print):
+        tested.append(task)
+        return real_test_one(proto_, task, net, rlt, log)
+
+    monkeypatch.setattr(st, "test_one", counting_test_one)
+    table = st.Table(tmp_path / "out")
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
+    st.run_row(proto, table, "parity", "gru", [0, 1], proto["lr_sweep"], args, log=lambda *a: None)
+    select = [r for r in table.records if r["phase"] == "select"]
+    rows = [r for r in table.records if r["phase"] == "test"]
+    assert sorted(r["lr"] for r in select) == [1e-3, 3e-3] and all("acc" not in r for r in select)
+    assert set(select[0]["val_acc"]) == {"24", "40"}
+    assert len(tested) == 2 and sorted(r["seed"] for r in rows) == [0, 1]
+    assert {r["lr"] for r in rows} == {st.choose_lr(select)}
+    # seed 0 at the chosen lr is the selection run itself, not a retrained copy
+    reused = next(r for r in select if r["lr"] == rows[0]["lr"])
+    assert next(r for r in rows if r["seed"] == 0)["run_dir"] == reused["run_dir"]
+    # a rerun resumes: nothing is trained or tested again
+    st.run_row(proto, st.Table(tmp_path / "out"), "parity", "gru", [0, 1], proto["lr_sweep"], args, log=lambda *a: None)
+    assert len(tested) == 2
+    assert "Learning-rate selection" in table.write_markdown()
