@@ -41,6 +41,7 @@ resumes. Tables and plots: :mod:`rlt_scale.experiments.report`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import shutil
 import statistics
@@ -64,7 +65,8 @@ DEFAULT_OUT = "runs/experiments/state_tracking"
 
 
 # ------------------------------------------------------------------ protocol
-def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False) -> dict:
+def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False, overrides: Optional[list[str]] = None) -> dict:
+    """The protocol YAML, its ``quick`` part merged in for ``quick``, then dotted ``key=value`` ``overrides``."""
     proto = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     quick_part = proto.pop("quick", {}) or {}
     if quick:
@@ -74,6 +76,9 @@ def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False) -> dict:
                     proto["tasks"].setdefault(task, {}).update(fields)
             else:
                 proto[key] = value
+    if overrides:
+        merged = OmegaConf.merge(OmegaConf.create(proto), OmegaConf.from_dotlist(list(overrides)))
+        proto = OmegaConf.to_container(merged, resolve=True)
     return proto
 
 
@@ -363,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (e.g. model.window=16); use with --tag")
     p.add_argument("--tag", default="", help="name of a variant; part of the run key and the table row")
+    p.add_argument("--protocol-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a protocol key, e.g. tasks.five_state.curriculum=[] (use with --tag)")
+    p.add_argument("--select-only", action="store_true",
+                   help="a probe: run the sweep and score the validation sets, never the test sets")
     p.add_argument("--supervision", choices=SUPERVISIONS,
                    help="training targets: the final answer only, or the running state after every operation too "
                         "(default: the protocol's); evaluation is final-state accuracy either way")
@@ -383,9 +392,12 @@ class Table:
         return next((r for r in self.records if r["key"] == key), None)
 
     def add(self, record: dict) -> None:
-        self.records = [r for r in load_results(self.path) if r["key"] != record["key"]] + [record]
-        save_results(self.path, self.records)
-        self.write_markdown()
+        """Append ``record``; a lock makes runs of several processes into one directory safe."""
+        with open(self.out / ".results.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.records = [r for r in load_results(self.path) if r["key"] != record["key"]] + [record]
+            save_results(self.path, self.records)
+            self.write_markdown()
 
     def write_markdown(self) -> str:
         text = markdown_table(self.records)
@@ -403,7 +415,7 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
     run = dict(steps=args.steps, extra=args.set, tag=args.tag, log=log, supervision=supervision)
     chosen = lrs[0]
     nets: dict[tuple, tuple] = {}
-    if len(lrs) > 1:
+    if len(lrs) > 1 or args.select_only:
         selection = []
         for lr in lrs:
             for seed in proto.get("selection_seeds", [0]):
@@ -418,6 +430,8 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
         chosen = choose_lr(selection)
         log(f"== {task}/{model}: lr {chosen:g} chosen on validation "
             + " ".join(f"{r['lr']:g}/s{r['seed']}:{r['selection_score']:.4f}" for r in selection))
+    if args.select_only:
+        return
     for seed in seeds:
         key = run_key(task, model, seed, args.tag, supervision)
         if table.find(key) is not None and not args.force:
@@ -445,11 +459,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if table.records:
             print("plots:", *plot_accuracy(table.records, plots))
         return 0
-    proto = load_protocol(args.protocol, args.quick)
+    proto = load_protocol(args.protocol, args.quick, args.protocol_set)
     tasks = _csv(args.tasks) if args.tasks else proto.get("run_tasks", list(proto["tasks"]))
     seeds = [int(s) for s in _csv(args.seeds)]
     models = _csv(args.models) if args.models else proto.get("run_models", list(proto["models"]))
     lrs: list[Optional[float]] = [float(x) for x in _csv(args.lrs)] if args.lrs else proto.get("lr_sweep") or [None]
+    if args.select_only and lrs == [None]:
+        print("--select-only needs learning rates to compare: the protocol's lr_sweep or --lrs", file=sys.stderr)
+        return 2
     for name, chosen, known in (("task", tasks, proto["tasks"]), ("model", models, proto["models"])):
         for item in chosen:
             if item not in known:
