@@ -58,6 +58,10 @@ class ModelConfig:
     """SwiGLU hidden width; 0 picks 8/3 * d rounded up to a multiple of 64."""
     window: int = 8
     """Decoder sliding window W; counts the current token (W=1: no cache)."""
+    encoder_window: int = 0
+    """Encoder self-attention window (counts the current token); 0 = full causal attention. Set it to at
+    least the training sequence length and training is unchanged, while at longer inputs each position
+    attends over as many entries as in training (full attention dilutes with length: parity, docs/RESULTS.md)."""
     memory_groups: int = 1
     """Encoder memory groups G: 1 shares one memory, L_D gives each layer its own."""
     feedback_block: int = 1
@@ -126,6 +130,7 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_heads", "n_enc_layers", "n_dec_layers", "window"):
             _positive(f"model.{name}", getattr(self, name))
         _positive("model.feedback_block", self.feedback_block, allow_zero=True)
+        _positive("model.encoder_window", self.encoder_window, allow_zero=True)
         _positive("model.ffn_hidden_size", self.ffn_hidden_size, allow_zero=True)
         if self.d_model % self.n_heads:
             raise ConfigError("model.n_heads", f"must divide model.d_model={self.d_model}, got {self.n_heads}")

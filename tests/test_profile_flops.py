@@ -29,6 +29,7 @@ CASES = {
     "K1-chunked-ckpt": (dict(feedback_block=1, window=3), Workload(2, 13, chunk_size=5, checkpoint=True)),
     "K4-chunked-ckpt-GLD": (dict(feedback_block=4, memory_groups=2, window=5), Workload(3, 14, chunk_size=6, checkpoint=True)),
     "K0-chunked": (dict(feedback_block=0, window=4), Workload(2, 12, chunk_size=4)),
+    "K1-encoder-window": (dict(feedback_block=1, window=3, encoder_window=4), Workload(2, 13)),
     "K1-fused-chunked": (dict(feedback_block=1, window=3, decoder_step="fused"), Workload(2, 13, chunk_size=5)),
     "K3-fused-ckpt-W>T": (dict(feedback_block=3, window=40, decoder_step="fused", decoder_wgrad_block=2),
                           Workload(2, 13, chunk_size=6, checkpoint=True)),

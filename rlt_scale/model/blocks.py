@@ -79,13 +79,14 @@ class EncoderBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, tp: TensorParallel):
         super().__init__()
+        self.window = cfg.encoder_window or None
         self.norm_attn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
         self.attn = Attention(cfg, tp)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
         self.ffn = FeedForward(cfg, tp)
 
     def forward(self, x, rope: Rotary, pos, doc, past: KV, plan: Optional[AttentionPlan] = None):
-        a, keys = self.attn(self.norm_attn(x), rope, pos, doc, past, window=None, plan=plan)
+        a, keys = self.attn(self.norm_attn(x), rope, pos, doc, past, window=self.window, plan=plan)
         x = x + a
         return x + self.ffn(self.norm_ffn(x)), keys
 

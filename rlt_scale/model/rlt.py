@@ -103,7 +103,7 @@ class RLT(nn.Module):
         """
         rope = self.rotary(pos)
         # Without a past every layer attends over the same positions: one tiling (one host read) for all.
-        plan = None if past else plan_attention(pos, doc, pos, doc)
+        plan = None if past else plan_attention(pos, doc, pos, doc, self.cfg.encoder_window or None)
         keys = []
         for i in layers:
             args = (x, rope, pos, doc, past[i] if past else self.empty_kv(x.shape[0], x.device), plan)

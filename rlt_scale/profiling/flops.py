@@ -9,18 +9,21 @@ Two numbers per component:
 
 * ``model``: the *useful* forward work of DESIGN.md section 1. Attention at
   position ``t`` reads ``t`` keys (encoder, cross-attention over memory
-  entries ``1..t``) or ``min(t, W)`` keys (decoder window). MFU uses
+  entries ``1..t``) or ``min(t, W)`` keys (decoder window; the encoder's
+  ``model.encoder_window`` likewise). MFU uses
   ``3 x model`` (forward + backward = 2 x forward).
 * ``fwd`` / ``bwd`` / ``attn_recompute`` / ``ckpt_recompute``: the matmul
   work the code *executes*, exactly what ``FlopCounterMode`` counts. The
   code runs dense attention under masks, so it executes more than it needs:
-  the encoder's causal attention is a full ``T x T`` product; the decoder's
+  the encoder's causal attention is a full ``T x T`` product (with an
+  encoder window, query tiles over their visible spans); the decoder's
   window attention of a segment of ``S`` positions reads its carried cache
   (``min(W-1, start)`` entries) plus the ``S`` new keys; its cross-attention
   reads the memory up to the segment end. The fused decoder step
   (``decoder_step=fused``) reads fixed spans instead: ``W-1+S`` window
   slots, and the memory up to its chunk's end. A fused attention backward
-  recomputes the scores (``attn_recompute``, half a forward); chunk
+  recomputes the scores (``attn_recompute``, half a forward; a windowed
+  encoder's query tiles re-run their whole forward first); chunk
   checkpointing re-runs the merge, decoder and readout forward in backward
   (``ckpt_recompute``). HFU uses the sum of all four.
 
@@ -35,6 +38,7 @@ from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
 
 from rlt_scale.config import ModelConfig
+from rlt_scale.model.attention import TILE, _index_spans
 from rlt_scale.model.deferred import defers
 from rlt_scale.profiling.workload import Workload
 
@@ -140,8 +144,13 @@ def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
             window_exec += s * (min(w - 1, start) + s)
             cross_exec += s * end
     causal = t_len * (t_len + 1) // 2
+    enc_w = cfg.encoder_window or None
+    # A windowed encoder runs query tiles over their visible spans (model/attention.py), else one T x T product.
+    encoder_exec = t_len * t_len if enc_w is None else sum(
+        (b - a) * (hi - lo) for a, b, lo, hi in _index_spans(t_len, t_len, enc_w, TILE))
     return {
-        "encoder_useful": causal, "encoder_exec": t_len * t_len,
+        "encoder_useful": causal if enc_w is None else sum(min(t, enc_w) for t in range(1, t_len + 1)),
+        "encoder_exec": encoder_exec,
         "window_useful": sum(min(t, w) for t in range(1, t_len + 1)), "window_exec": window_exec,
         "cross_useful": causal, "cross_exec": cross_exec,
     }
@@ -164,13 +173,15 @@ def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
         fl = 2 * n_tok * d_in * d_out
         rows.append(ComponentFlops(layer, comp, model=fl, fwd=fl, bwd=2 * fl, vector=vector))
 
-    def attention(layer: str, comp: str, useful: int, executed: int, rotated: int) -> None:
+    def attention(layer: str, comp: str, useful: int, executed: int, rotated: int, tiled: bool = False) -> None:
         # q @ k^T and p @ v: 2 matmuls of 2*hd FLOPs per (query, key, head).
         per_pair = 4 * bsz * d_tp
         fwd = per_pair * executed
         vector = bsz * (SOFTMAX_PER_SCORE * h_tp * executed + ROTARY_PER_ELEM * rotated * d_tp * work.seq_len)
+        # Query tiles keep no activations: backward re-runs each tile's forward before the SDPA backward.
+        recompute = fwd // 2 + (fwd if tiled else 0)
         rows.append(ComponentFlops(layer, comp, model=per_pair * useful, fwd=fwd, bwd=2 * fwd,
-                                   attn_recompute=fwd // 2, vector=vector))
+                                   attn_recompute=recompute, vector=vector))
 
     def norms(layer: str, count: int, positions: int = n_tok) -> None:
         rows.append(ComponentFlops(layer, "norm", vector=NORM_PER_ELEM * count * positions * d))
@@ -180,7 +191,8 @@ def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
         layer = f"encoder.{i}"
         norms(layer, 2)
         linear(layer, "qkv", d, 3 * d_tp)
-        attention(layer, "attn", pairs["encoder_useful"], pairs["encoder_exec"], rotated=2)
+        attention(layer, "attn", pairs["encoder_useful"], pairs["encoder_exec"], rotated=2,
+                  tiled=bool(cfg.encoder_window))
         linear(layer, "out", d_tp, d, vector=n_tok * d)
         linear(layer, "ffn", d, 2 * f_tp, vector=n_tok * (SWIGLU_PER_UNIT * f_tp + d))
         linear(layer, "ffn", f_tp, d)
