@@ -214,9 +214,9 @@ def s5(num_samples: int, length: int, seed: int, swaps_only: bool = False) -> Ta
                     "token_base": PERMUTATION_BASE})
 
 
-def apply_operator(value, op: int, digit):
-    """``value op digit`` mod 5 for an operator index ``op`` into ``OPERATORS`` (works on arrays too)."""
-    return (value + digit) % 5 if op == 0 else (value - digit) % 5 if op == 1 else (value * digit) % 5
+def apply_operator(value, op, digit):
+    """``value op digit`` mod 5 for operator indices ``op`` into ``OPERATORS``: ints, numpy or torch alike."""
+    return ((value + digit) * (op == 0) + (value - digit) * (op == 1) + (value * digit) * (op == 2)) % 5
 
 
 def _fold(values: list[int], ops: list[int]) -> int:
@@ -264,9 +264,7 @@ def mod5(num_samples: int, length: int, seed: int, brackets: bool = False) -> Ta
     else:
         answers = digits[:, 0].copy()
         for t in range(length):
-            o = ops[:, t]
-            answers = np.where(o == 0, answers + digits[:, t + 1],
-                               np.where(o == 1, answers - digits[:, t + 1], answers * digits[:, t + 1])) % 5
+            answers = apply_operator(answers, ops[:, t], digits[:, t + 1])
         body = np.empty((num_samples, 2 * length + 1), dtype=np.int64)
         body[:, 0::2] = ord("0") + digits
         body[:, 1::2] = np.array([ord(c) for c in OPERATORS])[ops]

@@ -98,8 +98,7 @@ def mod5_targets(tokens: torch.Tensor):
     targets, valid = torch.zeros_like(body), torch.zeros_like(body, dtype=torch.bool)
     targets[:, 0], valid[:, 0] = value, True
     for t in range(ops.shape[1]):
-        d = digits[:, t + 1]
-        value = torch.where(ops[:, t] == 0, value + d, torch.where(ops[:, t] == 1, value - d, value * d)) % 5
+        value = apply_operator(value, ops[:, t], digits[:, t + 1])
         targets[:, 2 * t + 2], valid[:, 2 * t + 2] = value, True
     return _with_answer(ord("0") + targets, valid, tokens)
 
