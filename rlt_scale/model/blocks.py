@@ -102,7 +102,9 @@ class MemoryProjection(nn.Module):
 
     def forward(self, e: torch.Tensor, rope: Rotary, pos, doc) -> KV:
         k, v = _heads(self.kv(self.norm(e)), self.n_heads, 2)
-        return KV(rope(k), v, pos, doc)
+        # v laid out [B, h, T, hd] once: as a view of the interleaved k|v output, every batched matmul
+        # over (B, h) that reads it (each decoder position's) would copy it first
+        return KV(rope(k), v.contiguous(), pos, doc)
 
 
 class FeedbackMerge(nn.Module):

@@ -214,8 +214,8 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         else:
             put(f"encoder.{i}", held)
     for g in range(cfg.memory_groups):
-        # the fused k|v output (v is a view of it) and the rotated k
-        held = bsz * t_len * (norm + 3 * d_tp) * p
+        # the rotated k and a contiguous copy of v (the fused k|v output is then freed)
+        held = bsz * t_len * (norm + 2 * d_tp) * p
         put(f"memory.{g}", held, state=bsz * t_len * 2 * d_tp * p)
     # A chunk of more than one segment runs its decoder projections on weight tapes
     # (model/deferred.py), which keep their own copies of what backward needs.
