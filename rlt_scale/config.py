@@ -91,16 +91,21 @@ class ModelConfig:
     per block of this many positions, as one GEMM, instead of once per position, and keeps
     less per position. 0: autograd's own per-position gradients. Same numbers either way."""
     decoder_step: str = "layers"
-    """How the sequential decoder runs a layer at a position where its weight gradients are
-    deferred: ``layers`` as a dozen autograd nodes (the layer's own modules); ``fused`` as one
-    node whose forward and backward are two pure functions with the same shapes at every
-    position (``rlt_scale/model/fused.py``), the unit that ``decoder_compile`` compiles and
-    CUDA graphs capture. Same numbers either way; needs ``decoder_wgrad_block > 0``. Like the
-    weight tape it serves one process's walk over whole chunks: the pipeline ring
-    (``parallel.pp > 1``), the Jacobi solver's sweeps and generation run the layers."""
+    """How the sequential decoder walks a training chunk where its weight gradients are deferred:
+    ``layers`` runs each layer at each position as its own modules (a dozen autograd nodes);
+    ``fused`` runs the whole chunk as one autograd node (``rlt_scale/model/walk.py``) that calls
+    one step function per position -- the merge, every layer and the carry, forward and
+    backward, with the same shapes at every position (``rlt_scale/model/fused.py``), the unit
+    that ``decoder_compile`` compiles and CUDA graphs capture -- and forms the weight and
+    memory gradients once per ``decoder_wgrad_block`` positions. Same numbers either way;
+    needs ``decoder_wgrad_block > 0``. It serves one process's walk over whole chunks in
+    training: the pipeline ring (``parallel.pp > 1``), the Jacobi solver's sweeps,
+    evaluation and generation run the layers."""
     decoder_compile: str = "none"
-    """Compile the fused step with ``torch.compile``: ``none``, ``default``, or ``reduce-overhead``
-    (CUDA graphs on CUDA). Compiled code is cached under ``decoder_compile_cache`` across runs."""
+    """Compile the fused step with ``torch.compile``: ``none``, ``default`` (inductor, with its
+    C++ wrapper), or ``reduce-overhead`` (CUDA graphs on CUDA). Compiled code is cached under
+    ``decoder_compile_cache`` across runs; the first training step compiles (about a minute
+    on a CPU)."""
     decoder_compile_cache: str = ".cache/inductor"
     """Directory of the persistent compile cache (inductor's FX-graph cache), relative to the
     working directory unless absolute; it sets ``TORCHINDUCTOR_CACHE_DIR`` when the step is
@@ -153,7 +158,7 @@ class ModelConfig:
         _choice("model.decoder_step", self.decoder_step, ("layers", "fused"))
         _choice("model.decoder_compile", self.decoder_compile, ("none", "default", "reduce-overhead"))
         if self.decoder_step == "fused" and not self.decoder_wgrad_block:
-            raise ConfigError("model.decoder_step", "fused runs on the weight tape: needs "
+            raise ConfigError("model.decoder_step", "fused forms weight gradients per block of positions: needs "
                               "model.decoder_wgrad_block > 0, got 0")
         if self.decoder_compile != "none" and self.decoder_step != "fused":
             raise ConfigError("model.decoder_compile", f"compiles the fused step: needs "

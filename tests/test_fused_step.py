@@ -1,12 +1,13 @@
-"""The fused decoder step (rlt_scale.model.fused) against the layer-by-layer taped path, in float64.
+"""The fused decoder walk (rlt_scale.model.walk, .fused) against the layer-by-layer taped path, in float64.
 
 ``model.decoder_step=layers`` runs each decoder layer at each position as its
-own modules on the weight tape; ``fused`` runs the same math as one autograd
-node whose backward is written out, with the window read as a fixed span and
-the memory read whole. Logits, the loss and every parameter's gradient must
-agree to 1e-10 (float64 rounds at ~1e-16 per op; the two sum the same terms
-in another order, and a dropped or doubled term shows up at ~1e-3 with these
-weights).
+own modules on the weight tape; ``fused`` runs a whole chunk as one autograd
+node: one step function per segment (merge, every layer, carry), backward
+written out, the window read as a fixed span and the memory read whole, the
+weight and memory gradients formed per block of positions. Logits, the loss
+and every parameter's gradient must agree to 1e-10 (float64 rounds at ~1e-16
+per op; the two sum the same terms in another order, and a dropped or
+doubled term shows up at ~1e-3 with these weights).
 """
 
 from __future__ import annotations
@@ -75,6 +76,54 @@ def test_fused_step_with_truncated_bptt(make_model):
     assert_same_grads(got, ref, TOL)
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_learned_feedback_scale_and_merge_gradients(make_model, k):
+    """The merge's gradients are sums over segments (s*, its norm, a learned scale) and GEMMs over
+    positions (gate, proj): with K=4 a segment's positions share one feedback."""
+    model = make_model(feedback_block=k, window=3, learn_feedback_scale=True)
+    tokens, doc = _batch(13, packed=True, seed=3)
+    _, _, ref = _run(model, tokens, doc, "layers", BPTT(chunk_size=8))
+    _, _, got = _run(model, tokens, doc, "fused", BPTT(chunk_size=8))
+    assert_same_grads(got, ref, TOL)
+    assert all(ref[n].abs().max() > 0 for n in ref if n.startswith("merge."))
+
+
+@pytest.mark.parametrize("block", [1, 64])
+def test_memory_and_weight_gradients_per_block_or_per_chunk(make_model, block):
+    """A block of one position forms the memory's and the weights' gradients at every position; a
+    block longer than the chunk forms them once per chunk: both equal the layer path."""
+    model = make_model(feedback_block=1, window=3, memory_groups=2, tie_layers=False)
+    tokens, doc = _batch(13, packed=True, seed=4)
+    _, _, ref = _run(model, tokens, doc, "layers", BPTT(chunk_size=6), block=block)
+    _, _, got = _run(model, tokens, doc, "fused", BPTT(chunk_size=6), block=block)
+    assert_same_grads(got, ref, TOL)
+
+
+def test_a_chunk_is_one_autograd_node(make_model):
+    """The walk puts one node per chunk into the graph, and nothing per position: two chunks of 5 or
+    two chunks of 10 positions build graphs of the same size (the layer path adds ~60 nodes a position)."""
+    from rlt_scale.training.bptt import run_sequence
+
+    def graph(model, length):
+        tokens, doc = _batch(length, packed=False)
+        out = run_sequence(model, tokens, doc, bptt=BPTT(chunk_size=length // 2))
+        names, seen, stack = [], set(), [out.loss_sum.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is not None and node not in seen:
+                seen.add(node)
+                names.append(type(node).__name__)
+                stack.extend(n for n, _ in node.next_functions)
+        return names
+
+    model = make_model(feedback_block=1, window=3, decoder_step="fused", decoder_wgrad_block=3)
+    short, long = graph(model, 10), graph(model, 20)
+    assert short.count("_WalkBackward") == long.count("_WalkBackward") == 2
+    assert len(short) == len(long)
+    model.cfg.decoder_step = "layers"
+    assert len(graph(model, 20)) - len(graph(model, 10)) > 10 * 20  # the check can fail
+
+
 def test_bf16_autocast_matches_the_layer_path(make_model):
     """Under bf16 autocast the fused step casts as autocast does (weights once per chunk, matmuls and
     attention in bf16, norms and the residual stream in fp32): the two paths agree to bf16 rounding
@@ -91,7 +140,7 @@ def test_bf16_autocast_matches_the_layer_path(make_model):
 
 
 def test_evaluation_runs_the_layers(make_model):
-    """Without gradients there is no tape, and the fused step (a training step) is not used."""
+    """Without gradients there is no tape, and the fused walk (a training step) is not used."""
     model = make_model(feedback_block=1, window=3, decoder_step="fused")
     tokens, doc = _batch(13, packed=True, seed=6)
     with torch.no_grad():

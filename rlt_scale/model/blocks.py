@@ -130,13 +130,16 @@ class FeedbackMerge(nn.Module):
             nn.init.normal_(w, std=cfg.init_std)
         nn.init.zeros_(self.gate.bias)
 
-    def forward(self, e: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def forward(self, e: torch.Tensor, s: torch.Tensor, run=None) -> torch.Tensor:
         """``e`` ``[B, S, d]``; ``s`` ``[B, d]`` is shared by the S positions.
 
         ``s`` may also be ``[B, S, d]``, one feedback per position: the
         parallel-in-time solver (:mod:`rlt_scale.training.jacobi`) merges
-        every position of a chunk with its own guess at once.
+        every position of a chunk with its own guess at once. ``run()``, if
+        given, runs instead, inside this module's call (as in :meth:`DecoderLayer.forward`).
         """
+        if run is not None:
+            return run()
         r = self.norm(s)
         r = r[:, None].expand_as(e) if s.dim() == 2 else r
         g = torch.sigmoid(self.gate(torch.cat([e, r], dim=-1)))
@@ -160,7 +163,7 @@ class DecoderLayer(nn.Module):
         self.cross_out = tp.row(cfg.d_model, cfg.d_model)
         self.norm_ffn = RMSNorm(cfg.d_model, cfg.norm_eps, tp.dtype)
 
-    def forward(self, z, rope: Rotary, self_attend, cross_attend, ops=None, fused=None) -> torch.Tensor:
+    def forward(self, z, rope: Rotary, self_attend=None, cross_attend=None, ops=None, run=None):
         """Run positions ``[B, S]`` that share one feedback.
 
         The caller owns where keys live: ``self_attend(q, k, v)`` attends
@@ -168,12 +171,14 @@ class DecoderLayer(nn.Module):
         records), ``cross_attend(q)`` over the memory entries these positions
         may read (see :mod:`rlt_scale.model.window`). ``ops`` runs the
         projections: the layer itself, or a :class:`~rlt_scale.model.deferred.WeightTape`
-        that computes the same with its weight gradients deferred. ``fused(z)``,
-        if given, runs the whole layer instead as one autograd node
-        (:class:`~rlt_scale.model.fused.FusedStep`, the same math written out).
+        that computes the same with its weight gradients deferred. ``run()``,
+        if given, runs instead, inside this module's call: the decoder walk
+        (:mod:`rlt_scale.model.walk`), which computes every layer at once,
+        allocates each layer's buffers this way, so that profiles charge them
+        to the layer.
         """
-        if fused is not None:
-            return fused(z)
+        if run is not None:
+            return run()
         ops = self if ops is None else ops
         q, k, v = _heads(ops.project_qkv(z), self.n_heads, 3)
         z = z + ops.project_out(merge_heads(self_attend(rope(q), rope(k), v)))

@@ -116,27 +116,40 @@ class _Flush(torch.autograd.Function):
     def backward(ctx, _):
         tape, block = ctx.tape, ctx.block
         x, rstd, gu = _unpack(list(ctx.saved_tensors))
-        grads = {}
-
-        def gemm(name: str, inputs: torch.Tensor) -> None:
-            dy = block.dy.get(name)
-            if dy is not None:
-                w = tape.weight[name]
-                grads[name] = (dy.flatten(0, 1).t() @ inputs.flatten(0, 1).to(w.dtype)).to(tape.param[name].dtype)
-
-        for name in NORMED:
-            norm_w = tape.norm[name]
-            normalised = x[name] * rstd[name]
-            gemm(name, normalised * norm_w)
-            g = block.dnormed.get(name)
-            if g is not None:
-                grads["norm." + name] = (g * normalised).sum((0, 1)).to(norm_w.dtype)
-        for name in PLAIN:
-            gemm(name, x[name])
-        gemm("down", swiglu_interleaved(gu))
+        grads = weight_gradients(tape.weight, tape.norm, x, rstd, gu, block.dy, block.dnormed)
         block.dy, block.dnormed = {}, {}
         ctx.tape = ctx.block = None
-        return (None, None, *(grads.get(name) for name in tape.param))
+        return (None, None, *(grads[name].to(p.dtype) if name in grads else None for name, p in tape.param.items()))
+
+
+def weight_gradients(weight: dict, norm: dict, x: dict, rstd: dict, gu, dy: dict, dnormed: dict) -> dict:
+    """A decoder layer's weight gradients over a block of positions, one GEMM per projection.
+
+    ``weight``/``norm``: the projections' weights (compute dtype) and the
+    RMSNorm weights; ``x``, ``rstd``, ``gu``: what forward kept for the block
+    (``[B, n, ...]``); ``dy``/``dnormed``: each projection's output gradient
+    and each norm's output gradient, by name (absent: no gradient). Each
+    projection's input is recomputed: the normalised residual, the attention
+    output, or SwiGLU of the fused gate/up. Returns gradients by parameter
+    name (``"norm.<name>"`` for the norms), in the weights' own dtypes.
+    """
+    grads = {}
+
+    def gemm(name: str, inputs: torch.Tensor) -> None:
+        g = dy.get(name)
+        if g is not None:
+            grads[name] = g.flatten(0, 1).t() @ inputs.flatten(0, 1).to(weight[name].dtype)
+
+    for name in NORMED:
+        normalised = x[name] * rstd[name]
+        gemm(name, normalised * norm[name])
+        g = dnormed.get(name)
+        if g is not None:
+            grads["norm." + name] = (g * normalised).sum((0, 1)).to(norm[name].dtype)
+    for name in PLAIN:
+        gemm(name, x[name])
+    gemm("down", swiglu_interleaved(gu))
+    return grads
 
 
 class _Norm(torch.autograd.Function):
@@ -239,13 +252,6 @@ class WeightTape:
         start = self.opening[0] if self.opening else self.block.start
         self.i, self.j = a - start, b - start
         return self
-
-    def enter(self, a: int, b: int, batch: int) -> _Block:
-        """Seek to segment ``[a, b)`` and open its block if it starts one: a fused step's way in."""
-        self.seek(a, b)
-        if self.opening:
-            self._open(batch)
-        return self.block
 
     def _open(self, batch: int) -> None:
         """Allocate the next block at its first projection (so profiles charge it to the layer)."""

@@ -1,11 +1,12 @@
-"""A decoder layer's step as one autograd node with static shapes: the math, forward and backward.
+"""The decoder's step as two pure functions: one segment through the merge and every decoder layer.
 
-Why this exists. On the taped path (:mod:`rlt_scale.model.deferred`) one
-decoder layer at one position is about a dozen autograd nodes and some
-sixty small kernels, each launched on its own: at small batch the step is
-bound by launches and host overhead, not by FLOPs. Here the whole step is
-two pure functions, :func:`step_forward` and :func:`step_backward`, written
-out by hand, whose tensors have the same shapes at every position:
+Why this exists. Run as modules, one decoder position is the merge plus, per
+layer, about a dozen autograd nodes and some sixty small kernels, each
+launched on its own: at small batch the recurrent step is bound by launches
+and host overhead, not by FLOPs. Here the whole step -- merge, every layer,
+the carry -- is one function, :func:`segment_forward`, and its backward is
+another, :func:`segment_backward`, written out by hand. Their tensors have
+the same shapes at every position of a chunk:
 
 * the window is read as a fixed span of ``W - 1 + s`` slots gathered by an
   index (slots before the store's start are clamped and masked), not as a
@@ -17,11 +18,17 @@ out by hand, whose tensors have the same shapes at every position:
 
 Being pure (no writes into their inputs), both functions can run under
 ``torch.compile`` and, on CUDA, be captured as CUDA graphs (compile's
-``reduce-overhead``): the writes into the key stores and the weight tape's
-block buffers are done by the caller, :class:`FusedStep`, with one indexed
-copy each. The numbers are the taped path's to rounding (float64 tests);
-the memory read does more FLOPs (up to 2x of the memory attention in a
-chunk's first positions), the price of one shape per chunk.
+``reduce-overhead``). The caller (:mod:`rlt_scale.model.walk`) writes what
+they return into the chunk's buffers and forms, once per block of positions,
+what the step leaves out: every weight gradient (one GEMM per weight,
+:func:`~rlt_scale.model.deferred.weight_gradients`) and the memory's key and
+value gradients (:func:`memory_gradients`). So a step's backward reads the
+memory as its forward does, and writes nothing memory-sized.
+
+What a step keeps for backward is two rows per layer and position: the
+residual-stream row ``[z | z1 | z2 | rstd x 3]`` and the projection row
+``[h | hc | gu | q | qc]`` (:class:`Rows`), plus the feedback it read. The
+numbers are the layer path's to rounding (float64 tests).
 """
 
 from __future__ import annotations
@@ -37,20 +44,65 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 from rlt_scale.model.blocks import _heads
-from rlt_scale.model.deferred import (NORMED, PLAIN, WeightTape, _unpack, swiglu_interleaved,
-                                      swiglu_interleaved_backward)
-from rlt_scale.model.layers import (attend_backward, attention_probabilities, merge_heads, rms_norm_backward,
-                                    rms_rstd, Rotary, visibility)
-from rlt_scale.model.window import KeyStore, MemoryKeys, WindowKeys
+from rlt_scale.model.deferred import swiglu_interleaved, swiglu_interleaved_backward
+from rlt_scale.model.layers import (attention_probabilities, attention_score_grads, merge_heads,
+                                    rms_norm_backward, rms_rstd, Rotary, visibility)
 
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a clamped window slot: never visible
+PROJECTIONS = ("qkv", "out", "cross_q", "cross_out", "gate_up", "down")
+NORMS = ("qkv", "cross_q", "gate_up")  # the RMSNorm in front of each column projection, by its projection
 
 
-def _unheads(parts, n_heads: int):
-    """Inverse of :func:`_heads`: ``parts`` tensors ``[B, h, s, hd]`` -> ``[B, s, h*parts*hd]``."""
-    x = torch.stack(parts, dim=0)  # [parts, B, h, s, hd]
-    p, b, h, s, hd = x.shape
-    return x.permute(1, 3, 2, 0, 4).reshape(b, s, h * p * hd)
+@dataclass(frozen=True)
+class StepShape:
+    """What is fixed for a whole walk: the constants the step functions are specialised on."""
+
+    n_heads: int  # local heads
+    head_dim: int
+    window: int
+    eps: float
+    feedback_block: int
+    groups: tuple[int, ...]  # the memory group each decoder layer reads
+    d_model: int
+    ffn: int  # local SwiGLU units
+    tp_sum: Callable  # sum over the tensor-parallel group (identity on one rank)
+
+    @property
+    def local(self) -> int:
+        return self.n_heads * self.head_dim
+
+
+class Rows:
+    """Column layouts of the per-position rows a layer keeps (forward) and files (backward).
+
+    ``resid`` ``[z | z1 | z2 | rstd1 | rstd2 | rstd3]`` in the residual
+    stream's dtype; ``proj`` ``[h | hc | gu | q | qc]`` in the compute dtype;
+    ``dy`` the six projections' output gradients and the cross-attention's
+    output gradient ``d_oc``; ``dnormed`` the three norms' output gradients.
+    """
+
+    def __init__(self, shape: StepShape):
+        d, dl, f = shape.d_model, shape.local, shape.ffn
+        self.resid = _layout(z=d, z1=d, z2=d, rstd1=1, rstd2=1, rstd3=1)
+        self.proj = _layout(h=dl, hc=dl, gu=2 * f, q=dl, qc=dl)
+        self.dy = _layout(qkv=3 * dl, out=d, cross_q=dl, cross_out=d, gate_up=2 * f, down=d, d_oc=dl)
+        self.dnormed = _layout(qkv=d, cross_q=d, gate_up=d)
+
+    @staticmethod
+    def width(layout: dict) -> int:
+        return max(stop for _, stop in layout.values())
+
+    @staticmethod
+    def split(row: torch.Tensor, layout: dict) -> dict:
+        return {name: row[..., a:b] for name, (a, b) in layout.items()}
+
+
+def _layout(**widths) -> dict:
+    out, at = {}, 0
+    for name, n in widths.items():
+        out[name] = (at, at + n)
+        at += n
+    return out
 
 
 def _window_span(at, s: int, window: int, pos, doc):
@@ -72,115 +124,235 @@ def _attend(q, k, v, mask, cast):
     return attention_probabilities(q, k, mask) @ v
 
 
-def _attend_backward(q, k, v, mask, d_out, cast):
-    if cast is not None:  # as the forward saw them
-        q = q.to(cast)
-    return attend_backward(q, k, v, mask, d_out)
+def _cast_of(w: dict, z: torch.Tensor):
+    return w["qkv"].dtype if w["qkv"].dtype != z.dtype else None
 
 
-def step_forward(z, w: dict, norm: dict, eps: float, n_heads: int, window: int, tp_sum: Callable,
-                 cos, sin, store_k, store_v, store_pos, store_doc, at,
-                 mem_k, mem_v, mem_pos, mem_doc, q_pos, q_doc):
+def _project(w, h):
+    return F.linear(h.to(w.dtype), w)
+
+
+def _normed(x, weight, eps):
+    rstd = rms_rstd(x, eps)
+    return x * rstd * weight, rstd
+
+
+def _unheads(parts, n_heads: int):
+    """Inverse of :func:`_heads`: ``parts`` tensors ``[B, h, s, hd]`` -> ``[B, s, h*parts*hd]``."""
+    x = torch.stack(parts, dim=0)  # [parts, B, h, s, hd]
+    p, b, h, s, hd = x.shape
+    return x.permute(1, 3, 2, 0, 4).reshape(b, s, h * p * hd)
+
+
+def _split_heads(x, n_heads: int):
+    return x.view(*x.shape[:2], n_heads, -1).transpose(1, 2)
+
+
+# ------------------------------------------------------------------ one layer
+def layer_forward(z, w: dict, norm: dict, c: StepShape, cos, sin, store_k, store_v, key_pos, key_doc, at,
+                  mem_k, mem_v, mem_pos, mem_doc, q_pos, q_doc):
     """One decoder layer over positions ``[B, s]`` that share one feedback (DecoderLayer's math).
 
-    ``w``: the projections' weights in the compute dtype; ``norm``: the
-    three RMSNorm weights. ``store_*`` is the layer's key store, whose slot
-    ``at`` (a tensor) is the segment's first; the segment's own keys are not
-    in it yet and are joined to the span here. Returns the output and what
-    the caller writes (keys, block buffers) and saves (queries).
+    ``w``: the projections' weights in the compute dtype; ``norm``: the three
+    RMSNorm weights. ``store_*`` is the layer's key store, whose slot ``at``
+    (a tensor) is the segment's first; the segment's own keys are not in it
+    yet and are joined to the span here. Returns the output, the segment's
+    keys and values (for the caller to write) and the two rows it keeps.
     """
-    cast = w["qkv"].dtype if w["qkv"].dtype != z.dtype else None
+    cast = _cast_of(w, z)
     s = z.shape[1]
-
-    def project(name, h):
-        return F.linear(h.to(w[name].dtype), w[name])
-
-    def normed(name, x):
-        rstd = rms_rstd(x, eps)
-        return x * rstd * norm[name], rstd
-
-    n1, rstd1 = normed("qkv", z)
-    q, k, v = _heads(project("qkv", n1), n_heads, 3)
+    n1, rstd1 = _normed(z, norm["qkv"], c.eps)
+    q, k, v = _heads(_project(w["qkv"], n1), c.n_heads, 3)
     rope = Rotary(cos, sin)
     q, k = rope(q), rope(k)
-    # the span's last s slots are the segment's own: not yet in the store, joined here
-    idx, span_pos, span_doc = _window_span(at, s, window, store_pos, store_doc)
-    earlier = idx[: window - 1]
+    idx, span_pos, span_doc = _window_span(at, s, c.window, key_pos, key_doc)
+    earlier = idx[: c.window - 1]
     span_k = torch.cat([store_k.index_select(2, earlier).to(k.dtype), k], dim=2)
     span_v = torch.cat([store_v.index_select(2, earlier).to(v.dtype), v], dim=2)
-    h = merge_heads(_attend(q, span_k, span_v, visibility(q_pos, q_doc, span_pos, span_doc, window), cast))
-    z1 = z + tp_sum(project("out", h))
+    h = merge_heads(_attend(q, span_k, span_v, visibility(q_pos, q_doc, span_pos, span_doc, c.window), cast))
+    z1 = z + c.tp_sum(_project(w["out"], h))
 
-    n2, rstd2 = normed("cross_q", z1)
-    qc = rope(_heads(project("cross_q", n2), n_heads, 1)[0])
+    n2, rstd2 = _normed(z1, norm["cross_q"], c.eps)
+    qc = rope(_heads(_project(w["cross_q"], n2), c.n_heads, 1)[0])
     hc = merge_heads(_attend(qc, mem_k, mem_v, visibility(q_pos, q_doc, mem_pos, mem_doc), cast))
-    z2 = z1 + tp_sum(project("cross_out", hc))
+    z2 = z1 + c.tp_sum(_project(w["cross_out"], hc))
 
-    n3, rstd3 = normed("gate_up", z2)
-    gu = project("gate_up", n3)
-    z3 = z2 + tp_sum(project("down", swiglu_interleaved(gu)))
-    keep = {"x": {"qkv": z, "cross_q": z1, "gate_up": z2, "out": h, "cross_out": hc},
-            "rstd": {"qkv": rstd1, "cross_q": rstd2, "gate_up": rstd3}, "gu": gu}
-    return z3, (k, v), keep, (q, qc)
+    n3, rstd3 = _normed(z2, norm["gate_up"], c.eps)
+    gu = _project(w["gate_up"], n3)
+    z3 = z2 + c.tp_sum(_project(w["down"], swiglu_interleaved(gu)))
+    dt = gu.dtype  # the compute dtype; the backward reads q and qc only in it (as the attention did)
+    resid = torch.cat([z, z1, z2, rstd1, rstd2, rstd3], dim=-1)
+    proj = torch.cat([h.to(dt), hc.to(dt), gu, merge_heads(q).to(dt), merge_heads(qc).to(dt)], dim=-1)
+    return z3, k, v, resid, proj
 
 
-def step_backward(dz, w: dict, norm: dict, n_heads: int, window: int, tp_sum: Callable,
-                  cos, sin, store_k, store_v, store_pos, store_doc, at, own_dk, own_dv,
-                  mem_k, mem_v, mem_pos, mem_doc, q_pos, q_doc, q, qc, x: dict, rstd: dict, gu):
-    """Gradients of :func:`step_forward` with its weights held fixed (the tape forms theirs).
+def layer_backward(dz, w: dict, norm: dict, c: StepShape, rows: Rows, cos, sin, store_k, store_v, key_pos,
+                   key_doc, at, own_dk, own_dv, mem_k, mem_v, mem_pos, mem_doc, q_pos, q_doc, resid, proj):
+    """Gradients of :func:`layer_forward` with its weights and the memory held fixed (the caller forms theirs).
 
     ``own_dk``/``own_dv``: what later positions' reads left for the
-    segment's own keys. ``x``/``rstd``/``gu`` are the segment's rows of the
-    block buffers. Returns ``dz`` of the input, the gradients of the earlier
-    window slots and of the memory, and each projection's output gradient
-    (``dy``) and each norm's output gradient (``dnormed``) for the tape.
+    segment's own keys. Returns ``dz`` of the input, the gradients of the
+    ``W-1`` earlier window slots, and the rows the caller files for the
+    deferred GEMMs: each projection's output gradient (and the
+    cross-attention's output gradient), and each norm's output gradient.
     """
-    cast = w["qkv"].dtype if w["qkv"].dtype != dz.dtype else None
+    cast = _cast_of(w, dz)
     s = dz.shape[1]
-    dy, dnormed = {}, {}  # per projection, and per norm
+    x, p = Rows.split(resid, rows.resid), Rows.split(proj, rows.proj)
+    rstd = {"qkv": x["rstd1"], "cross_q": x["rstd2"], "gate_up": x["rstd3"]}
+    inputs = {"qkv": x["z"], "cross_q": x["z1"], "gate_up": x["z2"]}
+    dy, dnormed = {}, {}
 
     def back(name, g):  # the input gradient of a projection, after filing its output gradient
         g = g.to(w[name].dtype)
         dy[name] = g
         return g @ w[name]
 
-    def norm_back(name, g, x_in):
-        g = tp_sum(g.to(x_in.dtype))  # a column projection's input gradient is a partial sum over ranks
+    def norm_back(name, g):
+        x_in = inputs[name]
+        g = c.tp_sum(g.to(x_in.dtype))  # a column projection's input gradient is a partial sum over ranks
         dnormed[name] = g
         return rms_norm_backward(g, x_in, rstd[name], norm[name])
 
+    unrotate = Rotary(cos, -sin)
     # feed-forward
     d_h = back("down", dz)
-    d_gu = swiglu_interleaved_backward(d_h, gu.to(d_h.dtype))
-    dz2 = dz + norm_back("gate_up", back("gate_up", d_gu), x["gate_up"])
+    dz2 = dz + norm_back("gate_up", back("gate_up", swiglu_interleaved_backward(d_h, p["gu"].to(d_h.dtype))))
 
-    # cross-attention over the memory
+    # cross-attention over the memory: only the query's gradient here; the memory's are deferred
     d_hc = back("cross_out", dz2)
-    d_oc = d_hc.view(*d_hc.shape[:2], n_heads, -1).transpose(1, 2)
-    mask = visibility(q_pos, q_doc, mem_pos, mem_doc)
-    dqc, d_mem_k, d_mem_v = _attend_backward(qc, mem_k, mem_v, mask, d_oc, cast)
-    d_cq = merge_heads(Rotary(cos, -sin)(dqc))
-    dz1 = dz2 + norm_back("cross_q", back("cross_q", d_cq), x["cross_q"])
+    qc = _split_heads(p["qc"], c.n_heads)
+    _, ds = attention_score_grads(qc, mem_k, mem_v, visibility(q_pos, q_doc, mem_pos, mem_doc),
+                                  _split_heads(d_hc, c.n_heads))
+    dqc = ds @ mem_k.to(ds.dtype)
+    dz1 = dz2 + norm_back("cross_q", back("cross_q", merge_heads(unrotate(dqc))))
 
-    # window self-attention
-    d_h = back("out", dz1)
-    d_o = d_h.view(*d_h.shape[:2], n_heads, -1).transpose(1, 2)
-    # the caller wrote the segment's own keys into the store after forward: the whole span is there
-    idx, span_pos, span_doc = _window_span(at, s, window, store_pos, store_doc)
+    # window self-attention; the caller wrote the segment's own keys after forward: the whole span is there
+    d_o = _split_heads(back("out", dz1), c.n_heads)
+    idx, span_pos, span_doc = _window_span(at, s, c.window, key_pos, key_doc)
     span_k, span_v = store_k.index_select(2, idx), store_v.index_select(2, idx)
-    dq, d_span_k, d_span_v = _attend_backward(q, span_k, span_v,
-                                              visibility(q_pos, q_doc, span_pos, span_doc, window), d_o, cast)
-    dk = own_dk + d_span_k[:, :, window - 1:].to(own_dk.dtype)  # summed in the store's dtype, as the store does
-    dv = own_dv + d_span_v[:, :, window - 1:].to(own_dv.dtype)
-    d_qkv = _unheads((Rotary(cos, -sin)(dq), Rotary(cos, -sin)(dk), dv), n_heads)
-    dz0 = dz1 + norm_back("qkv", back("qkv", d_qkv), x["qkv"])
-    earlier = (d_span_k[:, :, : window - 1], d_span_v[:, :, : window - 1])
-    return dz0, earlier, (d_mem_k, d_mem_v), dy, dnormed
+    q = _split_heads(p["q"], c.n_heads)
+    if cast is not None:
+        span_k, span_v = span_k.to(cast), span_v.to(cast)
+    probs, ds = attention_score_grads(q, span_k, span_v, visibility(q_pos, q_doc, span_pos, span_doc, c.window), d_o)
+    dq, d_span_k, d_span_v = ds @ span_k.to(ds.dtype), ds.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ d_o.to(q.dtype)
+    dk = own_dk + d_span_k[:, :, c.window - 1:].to(own_dk.dtype)  # summed in the store's dtype, as the store does
+    dv = own_dv + d_span_v[:, :, c.window - 1:].to(own_dv.dtype)
+    d_qkv = _unheads((unrotate(dq), unrotate(dk), dv), c.n_heads)
+    dz0 = dz1 + norm_back("qkv", back("qkv", d_qkv))
+    dt = dy["qkv"].dtype
+    dy_row = torch.cat([dy[name].to(dt) for name in PROJECTIONS] + [d_hc.to(dt)], dim=-1)
+    dn_row = torch.cat([dnormed[name] for name in NORMS], dim=-1)
+    return dz0, d_span_k[:, :, : c.window - 1], d_span_v[:, :, : c.window - 1], dy_row, dn_row
+
+
+# ------------------------------------------------------------ the merge and carry
+def _merge_parts(e, feedback, m: dict, eps: float):
+    """``(r, rstd, g, ws_r)`` of FeedbackMerge: ``r = RMSNorm(s)``, ``g = sigmoid(Wg [e ; r] + bg)``, ``Ws r``."""
+    d = e.shape[-1]
+    rstd = rms_rstd(feedback, eps)
+    r = feedback * rstd * m["norm"]
+    gate = m["gate"]
+    pre = F.linear(e.to(gate.dtype), gate[:, :d]) + F.linear(r.to(gate.dtype), gate[:, d:])[:, None] + m["bias"]
+    return r, rstd, torch.sigmoid(pre), F.linear(r.to(m["proj"].dtype), m["proj"])
+
+
+def segment_forward(e, carried, seg_pos, merge: dict, layers: list, c: StepShape, cos, sin, stores: list,
+                    key_pos, key_doc, at, memory: list, mem_pos, mem_doc, seg_doc):
+    """The merge, every decoder layer and the carry over one segment ``[B, s]``.
+
+    ``layers``: per layer ``(weights, norms)``; ``stores``: per layer its
+    ``(k, v)`` store; ``memory``: per group ``(k, v)``. Returns the output
+    ``z`` ``[B, s, d]``, the ``s`` the segment leaves, the feedback it read,
+    and per layer its keys, values and two rows.
+    """
+    feedback = torch.where(seg_pos[:, :1] == 0, merge["s_star"], carried)  # a document start reads s*
+    _, _, g, ws_r = _merge_parts(e, feedback, merge, c.eps)
+    z = e + merge["scale"] * g * ws_r[:, None]
+    out = []
+    for (w, norm), (store_k, store_v), group in zip(layers, stores, c.groups):
+        mem_k, mem_v = memory[group]
+        z, k, v, resid, proj = layer_forward(z, w, norm, c, cos, sin, store_k, store_v, key_pos, key_doc, at,
+                                             mem_k, mem_v, mem_pos, mem_doc, seg_pos, seg_doc)
+        out.append((k, v, resid, proj))
+    block_end = ((seg_pos[:, -1:] + 1) % c.feedback_block) == 0
+    return z, torch.where(block_end, z[:, -1], feedback), feedback, out
+
+
+def segment_backward(dz, ds_next, e, feedback, seg_pos, merge: dict, layers: list, c: StepShape, rows: Rows,
+                     cos, sin, stores: list, key_pos, key_doc, at, own: list, memory: list, mem_pos, mem_doc,
+                     seg_doc, kept: list):
+    """Gradients of :func:`segment_forward` with weights and memory held fixed.
+
+    ``dz``: the gradient of the segment's outputs (from the readout);
+    ``ds_next``: of the ``s`` it leaves; ``own``: per layer what later reads
+    left for its keys; ``kept``: per layer the ``(resid, proj)`` rows. Returns
+    the gradient of ``e`` and of the carried ``s``; per layer the earlier
+    window slots' gradients and the two backward rows; the merge's row
+    ``[da | du * g]`` for its deferred GEMMs; and the segment's share of the
+    gradients that are sums over segments, as one vector
+    ``[d s* | d RMSNorm_s.weight | d scale]`` for the caller to add up.
+    """
+    block_end = ((seg_pos[:, -1:] + 1) % c.feedback_block) == 0
+    dz = torch.cat([dz[:, :-1], dz[:, -1:] + torch.where(block_end, ds_next, 0)[:, None]], dim=1)
+    d_feedback = torch.where(block_end, 0, ds_next)
+    out = []
+    for (w, norm), (store_k, store_v), (own_dk, own_dv), (resid, proj), group in reversed(
+            list(zip(layers, stores, own, kept, c.groups))):
+        mem_k, mem_v = memory[group]
+        dz, dk, dv, dy, dn = layer_backward(dz, w, norm, c, rows, cos, sin, store_k, store_v, key_pos, key_doc, at,
+                                            own_dk, own_dv, mem_k, mem_v, mem_pos, mem_doc, seg_pos, seg_doc,
+                                            resid, proj)
+        out.append((dk, dv, dy, dn))
+    out.reverse()
+    # the merge: u = e + scale * g * (Ws r), g = sigmoid(Wg [e ; r] + bg), r = RMSNorm(feedback)
+    d = e.shape[-1]
+    r, rstd, g, ws_r = _merge_parts(e, feedback, merge, c.eps)
+    gate, proj, scale = merge["gate"], merge["proj"], merge["scale"]
+    du = dz
+    dug = du * g
+    da = scale * du * ws_r[:, None] * g * (1 - g)  # the gradient of the gate's pre-activation
+    de = du + (da.to(gate.dtype) @ gate[:, :d]).to(du.dtype)
+    dr = (da.sum(1).to(gate.dtype) @ gate[:, d:] + (scale * dug.sum(1)).to(gate.dtype) @ proj).to(feedback.dtype)
+    d_feedback = d_feedback + rms_norm_backward(dr, feedback, rstd, merge["norm"])
+    reset = seg_pos[:, :1] == 0  # a document start read s*, not the carried s
+    sums = torch.cat([torch.where(reset, d_feedback, 0).sum(0), (dr * feedback * rstd).sum(0),
+                      (dug * ws_r[:, None]).sum().to(feedback.dtype)[None]])
+    dt = gate.dtype
+    return de, torch.where(reset, 0, d_feedback), sums, out, torch.cat([da.to(dt), dug.to(dt)], dim=-1)
+
+
+def merge_gradients(merge: dict, e, feedback, merge_rows, eps: float) -> dict:
+    """The merge's weight gradients over a block of positions, one GEMM each (``[B, n, ...]`` rows):
+    ``gate.weight`` from ``da^T [e ; r]``, ``gate.bias``, and ``proj.weight`` from ``scale (du g)^T r``."""
+    d = e.shape[-1]
+    flat = lambda t: t.flatten(0, 1)  # noqa: E731
+    da, dug = flat(merge_rows[..., :d]), flat(merge_rows[..., d:])
+    r = flat(feedback * rms_rstd(feedback, eps) * merge["norm"])
+    gate, proj = merge["gate"], merge["proj"]
+    return {"gate.weight": da.t() @ torch.cat([flat(e), r], dim=-1).to(gate.dtype),
+            "gate.bias": da.sum(0),
+            "proj.weight": merge["scale"] * (dug.t() @ r.to(proj.dtype))}
+
+
+def memory_gradients(qc, d_oc, mem_k, mem_v, mask, cast):
+    """The memory's key and value gradients from a block of cross-attention reads, two GEMMs each.
+
+    ``qc``/``d_oc`` ``[B, h, n, hd]``: the block's queries and output
+    gradients; ``mask`` ``[B, 1, n, M]``: what each query saw. The scores are
+    recomputed for the whole block at once, which costs two more GEMMs than
+    forming them at every position but reads and writes the memory once per
+    block instead of once per position.
+    """
+    if cast is not None:
+        mem_k, mem_v = mem_k.to(cast), mem_v.to(cast)
+    p, ds = attention_score_grads(qc, mem_k, mem_v, mask, d_oc)
+    return ds.transpose(-1, -2) @ qc, p.transpose(-1, -2) @ d_oc.to(qc.dtype)
 
 
 @functools.lru_cache(maxsize=None)
 def step_functions(mode: str = "none", cache_dir: str = "") -> tuple[Callable, Callable]:
-    """``(forward, backward)`` of the fused step: the functions themselves, or compiled (``mode``:
+    """``(forward, backward)`` of the step: the functions themselves, or compiled (``mode``:
     ``default``, or ``reduce-overhead`` for CUDA graphs on CUDA), cached under ``cache_dir``.
 
     Shapes are the same at every position of a chunk. What changes between chunks (the memory's
@@ -190,118 +362,15 @@ def step_functions(mode: str = "none", cache_dir: str = "") -> tuple[Callable, C
     compiled pair serves every model in the process.
     """
     if mode == "none":
-        return step_forward, step_backward
+        return segment_forward, segment_backward
     if cache_dir:  # inductor looks the directory up in the environment whenever it reads or writes
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
     torch._inductor.config.fx_graph_cache = True  # the persistent cache (on by default; made explicit)
     # past the limit dynamo would quietly run a function eagerly; a handful of graphs per shape class
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    options = dict(mode=None if mode == "default" else mode, fullgraph=True)
-    return torch.compile(step_forward, **options), torch.compile(step_backward, **options)
-
-
-class _Step(torch.autograd.Function):
-    """One layer over one segment ``[a, b)``; links order backward as in :mod:`~rlt_scale.model.window`."""
-
-    @staticmethod
-    def forward(ctx, z, window_link, tape_link, memory_link, step: "FusedStep", a: int, b: int):
-        out, saved, ctx.job = step.forward(z, a, b)
-        ctx.save_for_backward(*saved)
-        return out, window_link.new_empty(0), tape_link.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, dz, _window, _tape):
-        dz = ctx.job.run(dz, ctx.saved_tensors)  # unpacked once: checkpointing allows no second time
-        ctx.job = None
-        return dz, None, None, None, None, None, None
-
-
-@dataclass
-class _BackwardJob:
-    """What one step's backward needs besides its saved tensors: no tensor of its own, so that
-    chunk checkpointing, which drops and rebuilds saved tensors, frees everything a step keeps."""
-
-    backward: Callable  # step_backward, or its compiled version
-    n_heads: int
-    window: int
-    tp_sum: Callable
-    tape: WeightTape
-    store: KeyStore
-    memory: KeyStore
-    block: object
-    rows: tuple[int, int]  # the segment's rows of the tape's block
-    a: int  # the segment's first position in the chunk
-    at: int  # and its slot in the store
-    s: int  # its length
-
-    def run(self, dz, saved):
-        i, j = self.rows
-        at, end, store, block = self.at, self.at + self.s, self.store, self.block
-        q, qc, cos, sin, slots, store_k, store_v, store_pos, store_doc, *memory = saved[:13]
-        x, rstd, gu = _unpack(list(saved[13:]))
-        store.ensure_grad()
-        own_dk, own_dv = store.grad(at, end)  # complete: later readers ran backward first
-        with torch.autocast(dz.device.type, enabled=False):
-            dz0, (dk, dv), (dmk, dmv), dy, dnormed = self.backward(
-                dz, self.tape.weight, self.tape.norm, self.n_heads, self.window, self.tp_sum,
-                cos[:, :, self.a:self.a + self.s], sin[:, :, self.a:self.a + self.s], store_k, store_v,
-                store_pos, store_doc, slots[at], own_dk, own_dv, *memory,
-                store_pos[:, at:end], store_doc[:, at:end], q, qc,
-                {name: t[:, i:j] for name, t in x.items()}, {name: t[:, i:j] for name, t in rstd.items()},
-                gu[:, i:j])
-        # the earlier slots' span, less the slots clamped at the store's start (their gradients are 0)
-        lo = at - (self.window - 1)
-        skip = max(-lo, 0)
-        store.add_grad(lo + skip, at, dk[:, :, skip:], dv[:, :, skip:])
-        self.memory.add_grad(0, dmk.shape[2], dmk, dmv)
-        for name, g in dy.items():
-            block.put_grad(block.dy, name, i, j, g)
-        for name, g in dnormed.items():
-            block.put_grad(block.dnormed, name, i, j, g)
-        return dz0
-
-
-class FusedStep:
-    """A decoder layer's walk over one chunk, one :class:`_Step` node per segment.
-
-    Drives the same stores and tape as the layer-by-layer path: the window's
-    :class:`~rlt_scale.model.window.KeyStore` (written in place), the
-    memory's, and the :class:`~rlt_scale.model.deferred.WeightTape`'s block
-    buffers, whose weight-gradient GEMMs run as before.
-    """
-
-    def __init__(self, layer, window: WindowKeys, read: MemoryKeys, tape: WeightTape, cos, sin,
-                 slots, tp_sum: Callable, functions: tuple[Callable, Callable]):
-        self.window, self.read, self.tape = window, read, tape
-        self.run_forward, self.run_backward = functions
-        self.n_heads, self.size = layer.n_heads, layer.window
-        self.cos, self.sin, self.tp_sum = cos, sin, tp_sum
-        self.slots = slots  # every slot's index, so that a step's position is data, not a constant
-
-    def __call__(self, z, a: int, b: int):
-        window, tape = self.window, self.tape
-        window.open()
-        tape.enter(a, b, z.shape[0])
-        out, window.link, tape.link = _Step.apply(z, window.link, tape.link, self.read.link, self, a, b)
-        return out
-
-    def forward(self, z, a: int, b: int):
-        store, memory, tape, block = self.window.store, self.read.store, self.tape, self.tape.block
-        at, s = self.window.offset + a, b - a
-        with torch.autocast(z.device.type, enabled=False):  # the math casts explicitly, as autocast would
-            out, (k, v), keep, (q, qc) = self.run_forward(
-                z, tape.weight, tape.norm, tape.eps, self.n_heads, self.size, self.tp_sum,
-                self.cos[:, :, a:b], self.sin[:, :, a:b], store.k, store.v, store.pos, store.doc, self.slots[at],
-                memory.k, memory.v, memory.pos, memory.doc, store.pos[:, at:at + s], store.doc[:, at:at + s])
-        store.write(at, at + s, k, v)
-        i, j = tape.i, tape.j
-        for name in NORMED + PLAIN:
-            block.x[name].data[:, i:j] = keep["x"][name]
-        for name in NORMED:
-            block.rstd[name].data[:, i:j] = keep["rstd"][name]
-        block.gu.data[:, i:j] = keep["gu"]
-        saved = [q, qc, self.cos, self.sin, self.slots, store.k, store.v, store.pos, store.doc,
-                 memory.k, memory.v, memory.pos, memory.doc, *block.saved()]
-        job = _BackwardJob(self.run_backward, self.n_heads, self.size, self.tp_sum, tape, store, memory, block,
-                           (i, j), a, at, s)
-        return out, saved, job
+    # ``default`` also generates the graph's wrapper in C++: a step is a few dozen small kernels, and
+    # their Python launch code costs as much as they do at small batch (tiny model: 0.67 s -> 0.48 s a
+    # training step). CUDA graphs (``reduce-overhead``) replay without the wrapper anyway.
+    options = dict(options={"cpp_wrapper": True}) if mode == "default" else dict(mode=mode)
+    return (torch.compile(segment_forward, fullgraph=True, **options),
+            torch.compile(segment_backward, fullgraph=True, **options))

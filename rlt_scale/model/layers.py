@@ -91,14 +91,20 @@ def attention_probabilities(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
 
 
-def attend_backward(q, k, v, mask, d_out):
-    """``(dq, dk, dv)`` of :func:`attend`, the probabilities recomputed (as a fused backward does);
-    ``k``, ``v``, ``d_out`` are taken in ``q``'s dtype."""
+def attention_score_grads(q, k, v, mask, d_out):
+    """``(p, ds)``: the probabilities of :func:`attend` (recomputed, as a fused backward does) and the
+    gradient of its pre-softmax scores; ``k``, ``v``, ``d_out`` are taken in ``q``'s dtype."""
     k, v, d_out = k.to(q.dtype), v.to(q.dtype), d_out.to(q.dtype)
     p = attention_probabilities(q, k, mask)
     dp = d_out @ v.transpose(-1, -2)
     ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5).to(q.dtype)
-    return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out
+    return p, ds
+
+
+def attend_backward(q, k, v, mask, d_out):
+    """``(dq, dk, dv)`` of :func:`attend`; ``k``, ``v``, ``d_out`` are taken in ``q``'s dtype."""
+    p, ds = attention_score_grads(q, k, v, mask, d_out)
+    return ds @ k.to(q.dtype), ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ d_out.to(q.dtype)
 
 
 def rms_norm_backward(dy, x, rstd, weight):

@@ -30,10 +30,10 @@ from rlt_scale.config import ModelConfig
 from rlt_scale.model.attention import plan_attention
 from rlt_scale.model.blocks import DecoderLayer, EncoderBlock, FeedbackMerge, MemoryProjection
 from rlt_scale.model.deferred import WeightTape, defers, weight_blocks
-from rlt_scale.model.fused import FusedStep, step_functions
 from rlt_scale.model.layers import RMSNorm, Rotary, attend, document_positions, visibility
 from rlt_scale.model.state import KV, DecoderState
 from rlt_scale.model.tp import TensorParallel
+from rlt_scale.model.walk import ChunkWalk
 from rlt_scale.model.window import MemoryKeys, WindowKeys
 
 
@@ -222,22 +222,24 @@ class RLT(nn.Module):
         """
         segments = segments if segments is not None else feedback_segments(pos, self.cfg.feedback_block)
         rope = self.rotary(pos)
+        if self._walks(segments):
+            blocks = weight_blocks(segments, self.cfg.decoder_wgrad_block)
+            return ChunkWalk(self, pos, doc, state.caches, memory, offset, segments, blocks,
+                             rope.cos, rope.sin).run(e, state.s)
         carried = state.caches[0]  # every layer's cache holds the same positions
         key_pos, key_doc = torch.cat([carried.pos, pos], 1), torch.cat([carried.doc, doc], 1)
         windows = [WindowKeys(cache, key_pos, key_doc, self.cfg.window) for cache in state.caches]
         reads = [MemoryKeys(m, offset, e.shape[1]) for m in memory]
         groups = [reads[self.cfg.memory_group_of(i)] for i in range(len(self.decoder))]
         tapes = self._weight_tapes(segments)
-        fused = self._fused_steps(windows, groups, tapes, rope, pos)
         s, outputs = state.s, []
         for (a, b), e_seg in zip(segments, e.split([b - a for a, b in segments], dim=1)):
             seg_pos, seg_doc, seg_rope = pos[:, a:b], doc[:, a:b], rope.rows(a, b)
             z, feedback = self.feedback_in(e_seg, seg_pos, s)
-            for layer, window, read, tape, step in zip(self.decoder, windows, groups, tapes, fused):
+            for layer, window, read, tape in zip(self.decoder, windows, groups, tapes):
                 z = layer(z, seg_rope, partial(window.attend, a=a, b=b),
                           partial(read.attend, q_pos=seg_pos, q_doc=seg_doc, a=a, b=b),
-                          ops=tape.seek(a, b) if tape is not None and step is None else None,
-                          fused=partial(step, a=a, b=b) if step is not None else None)
+                          ops=tape.seek(a, b) if tape is not None else None)
             s = self.carry(z, seg_pos, feedback)
             outputs.append(z)
         for closing in reads + [t for t in tapes if t is not None]:
@@ -252,18 +254,12 @@ class RLT(nn.Module):
         blocks = weight_blocks(segments, size)
         return [WeightTape(layer, blocks) for layer in self.decoder]
 
-    def _fused_steps(self, windows, reads, tapes, rope: Rotary, pos) -> list[Optional[FusedStep]]:
-        """Per decoder layer, its :class:`FusedStep` over this chunk (``model.decoder_step=fused``), or None.
-
-        Fused steps drive the tapes, so they run exactly where tapes do.
-        """
-        if self.cfg.decoder_step != "fused":
-            return [None] * len(self.decoder)
-        functions = step_functions(self.cfg.decoder_compile, self.cfg.decoder_compile_cache)
-        slots = torch.arange(windows[0].offset + pos.shape[1], device=pos.device)  # the same for every layer
-        return [FusedStep(layer, window, read, tape, rope.cos, rope.sin, slots, self.tp.sum, functions)
-                if tape is not None else None
-                for layer, window, read, tape in zip(self.decoder, windows, reads, tapes)]
+    def _walks(self, segments: list[tuple[int, int]]) -> bool:
+        """Whether this chunk's decoder runs as one :class:`~rlt_scale.model.walk.ChunkWalk`
+        (``model.decoder_step=fused``): a training step's walk over more than one segment, where
+        weight gradients are deferred (:func:`~rlt_scale.model.deferred.defers`)."""
+        return (self.cfg.decoder_step == "fused" and torch.is_grad_enabled()
+                and defers(self.cfg.decoder_wgrad_block, len(segments)))
 
     # ------------------------------------------------------- teacher forcing
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -57,9 +57,8 @@ class KeyStore:
     def for_chunk(cls, carried: KV, pos: torch.Tensor, doc: torch.Tensor) -> "KeyStore":
         """The carried entries, then one empty slot per position of the chunk (``pos``/``doc`` cover both)."""
         b, h, p, hd = carried.k.shape
-        # zeros, not garbage: a fused step (rlt_scale.model.fused) reads a fixed span whose masked
-        # slots may not be written yet, and a masked NaN would still poison the softmax's sum
-        store = cls(carried.k.new_zeros(b, h, pos.shape[1], hd), carried.v.new_zeros(b, h, pos.shape[1], hd),
+        # every read covers written slots only (its window ends at its own position)
+        store = cls(carried.k.new_empty(b, h, pos.shape[1], hd), carried.v.new_empty(b, h, pos.shape[1], hd),
                     pos, doc)
         store.write(0, p, carried.k, carried.v)
         return store

@@ -20,8 +20,12 @@ Two numbers per component:
   window attention of a segment of ``S`` positions reads its carried cache
   (``min(W-1, start)`` entries) plus the ``S`` new keys; its cross-attention
   reads the memory up to the segment end. The fused decoder step
-  (``decoder_step=fused``) reads fixed spans instead: ``W-1+S`` window
-  slots, and the memory up to its chunk's end. A fused attention backward
+  (``decoder_step=fused``, ``model/walk.py``) reads fixed spans instead:
+  ``W-1+S`` window slots, and the memory up to its chunk's end; its backward
+  recomputes the memory scores and their gradient once more per block of
+  positions (the memory's key/value gradients as GEMMs), and its merge
+  applies ``Ws`` and the ``r`` half of ``Wg`` once per segment, recomputing
+  them and ``Wg e`` in backward. A fused attention backward
   recomputes the scores (``attn_recompute``, half a forward; a windowed
   encoder's query tiles re-run their whole forward first); chunk
   checkpointing re-runs the merge, decoder and readout forward in backward
@@ -131,15 +135,14 @@ def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
     """(query, key) pairs per sample: useful and executed, for the three attentions."""
     t_len, w = work.seq_len, cfg.window
     plan = work.plan(cfg.feedback_block)
-    fused = set()  # chunks that run the fused step (model/fused.py): fixed spans, the whole memory
-    if cfg.decoder_step == "fused":
-        fused = {c for c, n in Counter(plan.chunk_of).items() if defers(cfg.decoder_wgrad_block, n)}
-    window_exec = cross_exec = 0
+    fused = walked_chunks(cfg, work)
+    window_exec = cross_exec = cross_flush = 0
     for (start, end), c in zip(plan.segments, plan.chunk_of):
         s = end - start
         if c in fused:
             window_exec += s * (w - 1 + s)
             cross_exec += s * plan.chunks[c][1]
+            cross_flush += s * plan.chunks[c][1]
         else:
             window_exec += s * (min(w - 1, start) + s)
             cross_exec += s * end
@@ -152,8 +155,17 @@ def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
         "encoder_useful": causal if enc_w is None else sum(min(t, enc_w) for t in range(1, t_len + 1)),
         "encoder_exec": encoder_exec,
         "window_useful": sum(min(t, w) for t in range(1, t_len + 1)), "window_exec": window_exec,
-        "cross_useful": causal, "cross_exec": cross_exec,
+        "cross_useful": causal, "cross_exec": cross_exec, "cross_flush": cross_flush,
     }
+
+
+def walked_chunks(cfg: ModelConfig, work: Workload) -> set[int]:
+    """The chunks whose decoder runs as one walk (``decoder_step=fused``, model/walk.py): fixed spans,
+    the whole memory, the merge per segment."""
+    if cfg.decoder_step != "fused":
+        return set()
+    plan = work.plan(cfg.feedback_block)
+    return {c for c, n in Counter(plan.chunk_of).items() if defers(cfg.decoder_wgrad_block, n)}
 
 
 def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
@@ -201,10 +213,25 @@ def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
         norms(layer, 1)
         linear(layer, "kv", d, 2 * d_tp, vector=ROTARY_PER_ELEM * n_tok * d_tp)
     if cfg.feedback_block:
-        n_seg = len(work.plan(cfg.feedback_block).segments)
-        norms("merge", 1, positions=bsz * n_seg)
-        linear("merge", "gate", 2 * d, d, vector=n_tok * 4 * d)
-        linear("merge", "proj", d, d, vector=n_tok * 3 * d)
+        plan = work.plan(cfg.feedback_block)
+        norms("merge", 1, positions=bsz * len(plan.segments))
+        walked = walked_chunks(cfg, work)
+        lengths = [b - a for a, b in plan.segments]
+        tok_w = bsz * sum(n for n, c in zip(lengths, plan.chunk_of) if c in walked)  # positions of walked chunks
+        seg_w = bsz * sum(1 for c in plan.chunk_of if c in walked)                 # and their segments
+        tok_o = n_tok - tok_w
+        dd = 2 * d * d
+        # the layers: Wg [e ; r] and Ws r at every position, autograd's backward
+        rows.append(ComponentFlops("merge", "gate", model=2 * dd * tok_o, fwd=2 * dd * tok_o, bwd=4 * dd * tok_o,
+                                   vector=n_tok * 4 * d))
+        rows.append(ComponentFlops("merge", "proj", model=dd * tok_o, fwd=dd * tok_o, bwd=2 * dd * tok_o,
+                                   vector=n_tok * 3 * d))
+        # a walk: Wg e per position, Wg r and Ws r per segment; backward forms de per position and dr per
+        # segment, recomputes the forward, and the weight GEMMs run over positions (model/fused.py)
+        rows.append(ComponentFlops("merge", "gate", model=2 * dd * tok_w, fwd=dd * (tok_w + seg_w),
+                                   bwd=dd * (3 * tok_w + seg_w), attn_recompute=dd * (tok_w + seg_w)))
+        rows.append(ComponentFlops("merge", "proj", model=dd * tok_w, fwd=dd * seg_w, bwd=dd * (tok_w + seg_w),
+                                   attn_recompute=dd * seg_w))
     for i in range(cfg.n_dec_layers):
         layer = f"decoder.{i}"
         norms(layer, 3)
@@ -213,6 +240,8 @@ def analytic_flops(cfg: ModelConfig, work: Workload, tp: int = 1) -> FlopReport:
         linear(layer, "out", d_tp, d, vector=n_tok * d)
         linear(layer, "cross_q", d, d_tp)
         attention(layer, "cross", pairs["cross_useful"], pairs["cross_exec"], rotated=1)
+        # a walk's memory gradients: scores and their gradient recomputed per block (two of the four GEMMs)
+        rows.append(ComponentFlops(layer, "cross", attn_recompute=4 * bsz * d_tp * pairs["cross_flush"]))
         linear(layer, "cross_out", d_tp, d, vector=n_tok * d)
         linear(layer, "ffn", d, 2 * f_tp, vector=n_tok * (SWIGLU_PER_UNIT * f_tp + d))
         linear(layer, "ffn", f_tp, d)

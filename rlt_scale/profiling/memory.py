@@ -220,6 +220,9 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
     # A chunk of more than one segment runs its decoder projections on weight tapes
     # (model/deferred.py), which keep their own copies of what backward needs.
     taped = {c for c, n in Counter(plan.chunk_of).items() if defers(cfg.decoder_wgrad_block, n)}
+    # With decoder_step=fused those chunks are one walk each (model/walk.py): the same per-layer rows
+    # as a tape, the feedback each position read, and of the s of its segments only the last.
+    walked = taped if cfg.decoder_step == "fused" else set()
     if cfg.feedback_block:
         # [e ; r], the gate, alpha * gate, Ws r and u per position (u only where the first decoder
         # layer's norm keeps it, not its tape's copy); RMSNorm(s) per segment, whose broadcast
@@ -227,8 +230,8 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
         per_chunk: dict[int, int] = {}
         for (a, b), c in segments:
             s = b - a
-            per_chunk[c] = per_chunk.get(c, 0) + s * (5 if c in taped else 6) * d + (
-                norm if s == 1 else d + 1 + s * d)
+            per_chunk[c] = per_chunk.get(c, 0) + (s * d if c in walked else s * (5 if c in taped else 6) * d + (
+                norm if s == 1 else d + 1 + s * d))
         put("merge", bsz * p * sum(per_chunk.values()), held_ckpt=0,
             recompute=bsz * p * max(per_chunk.values()))
     chunks = [(a, b, min(w - 1, a)) for a, b in plan.chunks]  # each chunk's span and carried cache
@@ -255,7 +258,8 @@ def layer_activations(cfg: ModelConfig, work: Workload, tp: int = 1, dtype_bytes
     bookkeeping += sum(bsz * (cache + b - a) * 2 * INDEX_BYTES for a, b, cache in chunks)
     s_per = bsz * d * p if cfg.feedback_block else 0
     handed_on = [cfg.n_dec_layers * bsz * min(w - 1, b) * 2 * d_tp * p for _, b, _ in chunks]
-    put("other", bsz * t_len * (3 * hd + d + v_tp) * p + bookkeeping + len(segments) * s_per + handed_on[-1],
+    carried_s = sum(1 for _, c in segments if c not in walked) + len(walked)
+    put("other", bsz * t_len * (3 * hd + d + v_tp) * p + bookkeeping + carried_s * s_per + handed_on[-1],
         held_ckpt=bsz * t_len * 2 * hd * p + bookkeeping + len(chunk_ends) * s_per + sum(handed_on),
         recompute=bsz * work.chunk * (hd + d + v_tp) * p)
     return out
