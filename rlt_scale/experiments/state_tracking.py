@@ -41,6 +41,7 @@ resumes. Tables and plots: :mod:`rlt_scale.experiments.report`.
 from __future__ import annotations
 
 import argparse
+import copy
 import fcntl
 import json
 import shutil
@@ -94,23 +95,30 @@ def train_dir(proto: dict, task: str, length: Optional[int] = None) -> Path:
     return Path(proto["data_root"]) / task / f"train-L{length}-n{spec['train_samples']}-s{proto['train_seed']}"
 
 
-def eval_samples(proto: dict, length: int) -> int:
+def eval_samples(proto: dict, length: int, task: Optional[str] = None) -> int:
     """Test programs at ``length``: ``eval_samples``, or fewer for the long lengths of ``eval_samples_at``.
 
     Evaluating the RLT costs O(T^2) per program (every position reads the
     memory), so a 2048-operation test set is cut to keep the table's budget.
+    A task's own ``eval_samples_at`` (long-token tasks: mod 5) comes first.
     """
-    return int((proto.get("eval_samples_at") or {}).get(length, proto["eval_samples"]))
+    own = (proto["tasks"].get(task, {}).get("eval_samples_at") or {}) if task else {}
+    return int(own.get(length, (proto.get("eval_samples_at") or {}).get(length, proto["eval_samples"])))
 
 
 def test_dir(proto: dict, task: str, length: int) -> Path:
     """The test programs of ``length`` are in ``test_dir/eval`` (addition buckets: ``test_dir/eval-carry-CC``)."""
-    return Path(proto["data_root"]) / task / f"test-L{length}-n{eval_samples(proto, length)}"
+    return Path(proto["data_root"]) / task / f"test-L{length}-n{eval_samples(proto, length, task)}"
+
+
+def val_samples(proto: dict, length: int) -> int:
+    """Validation programs at ``length``: ``val_long_samples``, or fewer for the lengths of ``val_samples_at``."""
+    return int((proto.get("val_samples_at") or {}).get(length, proto["val_long_samples"]))
 
 
 def val_dir(proto: dict, task: str, length: int) -> Path:
     """The validation programs of ``length`` (for selection) are in ``val_dir/eval``."""
-    return Path(proto["data_root"]) / task / f"val-L{length}-n{proto['val_long_samples']}"
+    return Path(proto["data_root"]) / task / f"val-L{length}-n{val_samples(proto, length)}"
 
 
 def test_seed(length: int) -> int:
@@ -146,10 +154,10 @@ def prepare_data(proto: dict, task: str, log=print) -> None:
                      eval_samples=proto["val_samples"], carry_buckets=[])
         log(f"prepared {out} ({spec['train_samples']} + {proto['val_samples']} val) in {time.perf_counter() - start:.1f}s")
     for length in spec.get("val_lengths", []):
-        _prepare(task, val_dir(proto, task, length), length, val_seed(length), proto["val_long_samples"], log=log)
+        _prepare(task, val_dir(proto, task, length), length, val_seed(length), val_samples(proto, length), log=log)
     buckets = spec.get("carry_buckets", []) if task == "addition" else []
     for length in spec["eval_lengths"]:
-        _prepare(task, test_dir(proto, task, length), length, test_seed(length), eval_samples(proto, length),
+        _prepare(task, test_dir(proto, task, length), length, test_seed(length), eval_samples(proto, length, task),
                  [c for c in buckets if c <= length] or None, log=log)
 
 
@@ -356,7 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlt_scale.experiments.state_tracking",
                                 description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", help="comma-separated tasks of the protocol (default: its run_tasks)")
-    p.add_argument("--models", help="comma-separated names of the protocol's models (default: its run_models)")
+    p.add_argument("--models", help="comma-separated names of the protocol's models (default: its run_models; "
+                                   "'none': only the variant sweeps)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated run seeds (initialization and data order)")
     p.add_argument("--lrs", help="comma-separated peak learning rates to sweep (default: the protocol's lr_sweep); "
                                  "one value: no selection")
@@ -375,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--supervision", choices=SUPERVISIONS,
                    help="training targets: the final answer only, or the running state after every operation too "
                         "(default: the protocol's); evaluation is final-state accuracy either way")
+    p.add_argument("--sweeps", help="comma-separated variant_sweeps of the protocol to run (default: its run_sweeps "
+                                    "whose task is run); 'none' runs none")
     p.add_argument("--force", action="store_true", help="rerun runs already in results.json")
     p.add_argument("--table-only", action="store_true", help="only rewrite results.md and the plots from results.json")
     p.add_argument("--plots", help="directory for the accuracy-vs-length PNGs (default OUT/plots)")
@@ -448,6 +459,79 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
         table.add(record)
 
 
+def _sweep_protocol(proto: dict, sweep: dict, overrides: list[str]) -> dict:
+    """The protocol of one variant of ``sweep``: its ``val_lengths`` and the variant's protocol overrides."""
+    sproto = copy.deepcopy(proto)
+    if "val_lengths" in sweep:
+        sproto["tasks"][sweep["task"]]["val_lengths"] = list(sweep["val_lengths"])
+    if overrides:
+        merged = OmegaConf.merge(OmegaConf.create(sproto), OmegaConf.from_dotlist(list(overrides)))
+        sproto = OmegaConf.to_container(merged, resolve=True)
+    return sproto
+
+
+def _variant(spec) -> tuple[list[str], list[str]]:
+    """A variant is a list of config overrides, or ``{set: [...], protocol: [...]}``."""
+    if isinstance(spec, dict):
+        return list(spec.get("set") or []), list(spec.get("protocol") or [])
+    return list(spec or []), []
+
+
+def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], args, log) -> Optional[str]:
+    """Choose one of the config variants of ``variant_sweeps[name]`` on validation, then test the chosen one.
+
+    Like the learning-rate sweep, on the variants instead: each variant is
+    trained on the ``selection_seeds`` at the sweep's learning rate and scored
+    on the validation sets only (``val_lengths`` of the sweep, e.g. a long
+    validation length the table's own sweep does not read); the variant of the
+    highest mean selection score becomes a table row, tagged with its name,
+    whose seeds are trained (the selection runs reused) and tested once.
+    Returns the chosen variant's name.
+    """
+    sweep = proto["variant_sweeps"][name]
+    task, model, lr = sweep["task"], sweep["model"], sweep.get("lr")
+    supervision = sweep.get("supervision") or args.supervision or proto.get("supervision", "final")
+    run = dict(steps=args.steps, log=log, supervision=supervision, lr=lr)
+    scores: dict[str, list[float]] = {}
+    for variant, spec in sweep["variants"].items():
+        config_set, protocol_set = _variant(spec)
+        sproto = _sweep_protocol(proto, sweep, protocol_set)
+        prepare_data(sproto, task, log)
+        for seed in sproto.get("selection_seeds", [0]):
+            key = run_key(task, model, seed, variant, supervision, lr)
+            record = table.find(key)
+            if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
+                record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
+                                         tag=variant, **run)
+                record.update(phase="select", quick=args.quick, variant_sweep=name, protocol_overrides=protocol_set)
+                table.add(record)
+            scores.setdefault(variant, []).append(record["selection_score"])
+    chosen = max(scores, key=lambda v: statistics.mean(scores[v]))
+    log(f"== sweep {name}: variant {chosen} chosen on validation "
+        + " ".join(f"{v}:{statistics.mean(sc):.4f}" for v, sc in scores.items()))
+    if args.select_only:
+        return chosen
+    config_set, protocol_set = _variant(sweep["variants"][chosen])
+    sproto = _sweep_protocol(proto, sweep, protocol_set)
+    for seed in seeds:
+        key = run_key(task, model, seed, chosen, supervision)
+        if table.find(key) is not None and not args.force:
+            log(f"skip {key}: already in {table.path}")
+            continue
+        reused = table.find(run_key(task, model, seed, chosen, supervision, lr))
+        if reused is not None and (Path(reused["run_dir"]) / "best.pt").exists():
+            net, rlt = load_best(sproto, reused, task), not is_baseline(reused["config"])
+            record = dict(reused)
+        else:
+            record, net, rlt = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
+                                         tag=chosen, validate=False, **run)
+        record.update(test_one(sproto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
+                      variant_sweep=name, chosen_variant=chosen, protocol_overrides=protocol_set,
+                      variant_scores={v: statistics.mean(sc) for v, sc in scores.items()})
+        table.add(record)
+    return chosen
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out + ("-quick" if args.quick and args.out == DEFAULT_OUT else ""))
@@ -462,7 +546,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     proto = load_protocol(args.protocol, args.quick, args.protocol_set)
     tasks = _csv(args.tasks) if args.tasks else proto.get("run_tasks", list(proto["tasks"]))
     seeds = [int(s) for s in _csv(args.seeds)]
-    models = _csv(args.models) if args.models else proto.get("run_models", list(proto["models"]))
+    models = ([] if args.models == "none" else _csv(args.models)) if args.models else proto.get("run_models", list(proto["models"]))
     lrs: list[Optional[float]] = [float(x) for x in _csv(args.lrs)] if args.lrs else proto.get("lr_sweep") or [None]
     if args.select_only and lrs == [None]:
         print("--select-only needs learning rates to compare: the protocol's lr_sweep or --lrs", file=sys.stderr)
@@ -472,6 +556,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             if item not in known:
                 print(f"unknown {name} {item!r}; the protocol {args.protocol} has {list(known)}", file=sys.stderr)
                 return 2
+    known_sweeps = proto.get("variant_sweeps") or {}
+    if args.sweeps:
+        sweeps = [] if args.sweeps == "none" else _csv(args.sweeps)
+    else:
+        sweeps = [n for n in proto.get("run_sweeps", []) if known_sweeps[n]["task"] in tasks]
+    for name in sweeps:
+        if name not in known_sweeps:
+            print(f"unknown sweep {name!r}; the protocol {args.protocol} has {list(known_sweeps)}", file=sys.stderr)
+            return 2
     torch.set_num_threads(1)
     started = time.perf_counter()
     log = lambda *a: print(*a, flush=True)  # noqa: E731
@@ -479,6 +572,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         prepare_data(proto, task, log)
         for model in models:
             run_row(proto, table, task, model, seeds, lrs, args, log)
+    for name in sweeps:
+        run_variant_sweep(proto, table, name, seeds, args, log)
     print(f"\ntotal wall time {time.perf_counter() - started:.0f}s; results in {table.path}\n", flush=True)
     print(table.write_markdown(), flush=True)
     return 0
