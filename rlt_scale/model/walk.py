@@ -32,11 +32,10 @@ implementation.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
-
-from dataclasses import dataclass, fields
 
 from rlt_scale.model.deferred import weight_gradients
 from rlt_scale.model.fused import PROJECTIONS, Rows, StepShape, memory_gradients, merge_gradients, step_functions
