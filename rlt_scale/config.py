@@ -98,9 +98,10 @@ class ModelConfig:
     backward, with the same shapes at every position (``rlt_scale/model/fused.py``), the unit
     that ``decoder_compile`` compiles and CUDA graphs capture -- and forms the weight and
     memory gradients once per ``decoder_wgrad_block`` positions. Same numbers either way;
-    needs ``decoder_wgrad_block > 0``. It serves one process's walk over whole chunks in
-    training: the pipeline ring (``parallel.pp > 1``), the Jacobi solver's sweeps,
-    evaluation and generation run the layers."""
+    needs ``decoder_wgrad_block > 0``. It serves one process's walk over whole chunks, in
+    training and without gradients (evaluation, a prompt's prefill); the pipeline ring
+    (``parallel.pp > 1``), the Jacobi solver's sweeps and generation's token-by-token
+    steps run the layers."""
     decoder_compile: str = "none"
     """Compile the fused step with ``torch.compile``: ``none``, ``default`` (inductor, with its
     C++ wrapper), or ``reduce-overhead`` (CUDA graphs on CUDA). Compiled code is cached under

@@ -139,15 +139,29 @@ def test_bf16_autocast_matches_the_layer_path(make_model):
         assert (got[name] - ref[name]).abs().max() <= 2e-2 * ref[name].abs().max() + 1e-6, name
 
 
-def test_evaluation_runs_the_layers(make_model):
-    """Without gradients there is no tape, and the fused walk (a training step) is not used."""
-    model = make_model(feedback_block=1, window=3, decoder_step="fused")
+@pytest.mark.parametrize("k", [1, 3])
+def test_evaluation_and_prefill_run_the_walk_forward(make_model, k):
+    """Without gradients the walk runs the same steps and keeps nothing for backward: the logits and
+    the state it hands on (feedback and every window cache) equal the layer path's."""
+    from rlt_scale.model.layers import document_positions
+
+    model = make_model(feedback_block=k, window=3, decoder_step="fused", decoder_wgrad_block=3)
     tokens, doc = _batch(13, packed=True, seed=6)
+    x, d = tokens[:, :-1], doc[:, :-1]
+    pos = document_positions(d)
+    out = {}
     with torch.no_grad():
-        fused = model(tokens[:, :-1], doc[:, :-1])
-        model.cfg.decoder_step = "layers"
-        layers = model(tokens[:, :-1], doc[:, :-1])
-    assert torch.equal(fused, layers)
+        for step in ("fused", "layers"):
+            model.cfg.decoder_step = step
+            e, _ = model.encode(x, pos, d)
+            z, state = model.decode(e, pos, d, model.build_memory(e, pos, d), model.initial_state(2, x.device))
+            out[step] = (model.logits(z), state)
+    (logits, state), (ref_logits, ref_state) = out["fused"], out["layers"]
+    assert (logits - ref_logits).abs().max() <= TOL
+    assert (state.s - ref_state.s).abs().max() <= TOL
+    for cache, ref in zip(state.caches, ref_state.caches):
+        assert torch.equal(cache.pos, ref.pos) and torch.equal(cache.doc, ref.doc)
+        assert (cache.k - ref.k).abs().max() <= TOL and (cache.v - ref.v).abs().max() <= TOL
 
 
 @pytest.mark.parametrize("overrides, key", [

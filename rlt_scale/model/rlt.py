@@ -256,10 +256,9 @@ class RLT(nn.Module):
 
     def _walks(self, segments: list[tuple[int, int]]) -> bool:
         """Whether this chunk's decoder runs as one :class:`~rlt_scale.model.walk.ChunkWalk`
-        (``model.decoder_step=fused``): a training step's walk over more than one segment, where
-        weight gradients are deferred (:func:`~rlt_scale.model.deferred.defers`)."""
-        return (self.cfg.decoder_step == "fused" and torch.is_grad_enabled()
-                and defers(self.cfg.decoder_wgrad_block, len(segments)))
+        (``model.decoder_step=fused``): a walk over more than one segment (where a training step
+        defers weight gradients, :func:`~rlt_scale.model.deferred.defers`), with or without gradients."""
+        return self.cfg.decoder_step == "fused" and defers(self.cfg.decoder_wgrad_block, len(segments))
 
     # ------------------------------------------------------- teacher forcing
     def forward(self, tokens: torch.Tensor, doc_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -113,14 +113,68 @@ class ChunkWalk:
                        + self.tracked + [p for params in self.layer_params for p in params.values()])
 
     def run(self, e: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, DecoderState]:
-        """The chunk's outputs ``[B, S, d]`` and the state it hands on."""
+        """The chunk's outputs ``[B, S, d]`` and the state it hands on.
+
+        With gradients one :class:`_Walk` node; without (evaluation, a prompt)
+        the same steps, keeping nothing for a backward.
+        """
         key_pos, key_doc = self.tables.key_pos, self.tables.key_doc
-        z, s, *caches = _Walk.apply(self, e, s, *self.inputs)
+        if torch.is_grad_enabled():
+            z, s, *caches = _Walk.apply(self, e, s, *self.inputs)
+        else:
+            z, s, caches = self.forward(e, s, self.inputs, keep=False)[:3]
         self.inputs = None
         n_layers, n = len(self.model.decoder), caches[0].shape[2]
         end = key_pos.shape[1]
         return z, DecoderState(s, [KV(caches[i], caches[n_layers + i], key_pos[:, end - n:], key_doc[:, end - n:])
                                    for i in range(n_layers)])
+
+    def forward(self, e, s, inputs, keep: bool):
+        """Walk the chunk: ``(z, s, new caches, stores, rows, feedbacks, memory, params)``.
+
+        ``keep``: allocate and fill what backward reads (each layer's rows,
+        each position's feedback); without it only the key stores are kept
+        for the window.
+        """
+        model, shape, rows, t = self.model, self.shape, self.rows, self.tables
+        n_layers, n_groups = len(model.decoder), self.n_groups
+        caches_k, caches_v = inputs[:n_layers], inputs[n_layers:2 * n_layers]
+        mem = list(zip(inputs[2 * n_layers:2 * n_layers + n_groups], inputs[2 * n_layers + n_groups:2 * (n_layers + n_groups)]))
+        params = inputs[2 * (n_layers + n_groups):]
+        dtype = autocast_of(e) or model.decoder[0].attn.qkv.weight.dtype
+        merge_w, layers_w = self.weights(params, dtype)
+        b, length, d = e.shape
+        p, n_keys = self.n_carried, t.key_pos.shape[1]
+
+        def layer_buffers(i):
+            def make():
+                k = caches_k[i].new_zeros(b, shape.n_heads, n_keys, shape.head_dim)  # masked slots must be finite
+                v = caches_v[i].new_zeros(b, shape.n_heads, n_keys, shape.head_dim)
+                k[:, :, :p], v[:, :, :p] = caches_k[i], caches_v[i]
+                return (k, v), ((e.new_empty(b, length, Rows.width(rows.resid)),
+                                 e.new_empty(b, length, Rows.width(rows.proj), dtype=dtype)) if keep else None)
+            return _in_scope(model.decoder[i], make)
+
+        stores, kept = zip(*(layer_buffers(i) for i in range(n_layers)))
+        feedbacks = _in_scope(model.merge, lambda: e.new_empty(b, length, d)) if keep else None
+        z_all = e.new_empty(b, length, d)
+        step, _ = self.functions
+        with torch.autocast(e.device.type, enabled=False):  # the step casts explicitly, as autocast would
+            for a, c in self.segments:
+                at = p + a
+                z, s, feedback, out = step(
+                    e[:, a:c], s, t.pos[:, a:c], merge_w, layers_w, shape, t.cos[:, :, a:c], t.sin[:, :, a:c],
+                    stores, t.key_pos, t.key_doc, t.slots[at], mem, t.mem_pos, t.mem_doc, t.doc[:, a:c])
+                z_all[:, a:c] = z
+                for (store_k, store_v), (k, v, _, _) in zip(stores, out):
+                    store_k[:, :, at:at + c - a], store_v[:, :, at:at + c - a] = k, v
+                if keep:
+                    feedbacks[:, a:c] = feedback[:, None]
+                    for (resid, proj), (_, _, resid_rows, proj_rows) in zip(kept, out):
+                        resid[:, a:c], proj[:, a:c] = resid_rows, proj_rows
+        n = min(shape.window - 1, n_keys)
+        new_caches = [store[j][:, :, n_keys - n:].clone() for j in (0, 1) for store in stores]
+        return z_all, s, new_caches, stores, kept, feedbacks, mem, params
 
     # ----------------------------------------------------------- weights
     def weights(self, params: list[torch.Tensor], dtype) -> tuple[dict, list]:
@@ -159,45 +213,9 @@ def _in_scope(module, make):
 class _Walk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, walk: ChunkWalk, e, s, *inputs):
-        model, shape, rows, t = walk.model, walk.shape, walk.rows, walk.tables
-        n_layers, n_groups = len(model.decoder), walk.n_groups
-        caches_k, caches_v = inputs[:n_layers], inputs[n_layers:2 * n_layers]
-        mem = list(zip(inputs[2 * n_layers:2 * n_layers + n_groups], inputs[2 * n_layers + n_groups:2 * (n_layers + n_groups)]))
-        params = inputs[2 * (n_layers + n_groups):]
-        cast = autocast_of(e)
-        dtype = cast or model.decoder[0].attn.qkv.weight.dtype
-        merge_w, layers_w = walk.weights(params, dtype)
-        b, length, d = e.shape
-        p, n_keys = walk.n_carried, t.key_pos.shape[1]
-
-        def layer_buffers(i):
-            def make():
-                k = caches_k[i].new_zeros(b, shape.n_heads, n_keys, shape.head_dim)  # masked slots must be finite
-                v = caches_v[i].new_zeros(b, shape.n_heads, n_keys, shape.head_dim)
-                k[:, :, :p], v[:, :, :p] = caches_k[i], caches_v[i]
-                return (k, v), (e.new_empty(b, length, Rows.width(rows.resid)),
-                                e.new_empty(b, length, Rows.width(rows.proj), dtype=dtype))
-            return _in_scope(model.decoder[i], make)
-
-        stores, kept = zip(*(layer_buffers(i) for i in range(n_layers)))
-        feedbacks = _in_scope(model.merge, lambda: e.new_empty(b, length, d))
-        z_all = e.new_empty(b, length, d)
-        forward, _ = walk.functions
-        with torch.autocast(e.device.type, enabled=False):  # the step casts explicitly, as autocast would
-            for a, c in walk.segments:
-                at = p + a
-                z, s, feedback, out = forward(
-                    e[:, a:c], s, t.pos[:, a:c], merge_w, layers_w, shape, t.cos[:, :, a:c], t.sin[:, :, a:c],
-                    stores, t.key_pos, t.key_doc, t.slots[at], mem, t.mem_pos, t.mem_doc, t.doc[:, a:c])
-                z_all[:, a:c] = z
-                feedbacks[:, a:c] = feedback[:, None]
-                for (store_k, store_v), (resid, proj), (k, v, resid_rows, proj_rows) in zip(stores, kept, out):
-                    store_k[:, :, at:at + c - a], store_v[:, :, at:at + c - a] = k, v
-                    resid[:, a:c], proj[:, a:c] = resid_rows, proj_rows
-        n = min(shape.window - 1, n_keys)
-        new_caches = [store[j][:, :, n_keys - n:].clone() for j in (0, 1) for store in stores]
-        ctx.walk, ctx.cast = walk, cast
-        ctx.save_for_backward(e, feedbacks, *t.tensors(), *(x for store in stores for x in store),
+        z_all, s, new_caches, stores, kept, feedbacks, mem, params = walk.forward(e, s, inputs, keep=True)
+        ctx.walk, ctx.cast = walk, autocast_of(e)
+        ctx.save_for_backward(e, feedbacks, *walk.tables.tensors(), *(x for store in stores for x in store),
                               *(x for row in kept for x in row), *(x for kv in mem for x in kv), *params)
         walk.tables = None  # from here on only what was saved
         return (z_all, s, *new_caches)
