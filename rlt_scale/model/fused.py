@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from rlt_scale.model.blocks import _heads
 from rlt_scale.model.deferred import swiglu_interleaved, swiglu_interleaved_backward
-from rlt_scale.model.layers import (attention_probabilities, attention_score_grads, merge_heads,
+from rlt_scale.model.layers import (attend_backward, attention_probabilities, attention_score_grads, merge_heads,
                                     rms_norm_backward, rms_rstd, Rotary, visibility)
 
 _HIDDEN = torch.iinfo(torch.int64).max  # the position of a clamped window slot: never visible
@@ -196,7 +196,6 @@ def layer_backward(dz, w: dict, norm: dict, c: StepShape, rows: Rows, cos, sin, 
     deferred GEMMs: each projection's output gradient (and the
     cross-attention's output gradient), and each norm's output gradient.
     """
-    cast = _cast_of(w, dz)
     s = dz.shape[1]
     x, p = Rows.split(resid, rows.resid), Rows.split(proj, rows.proj)
     rstd = {"qkv": x["rstd1"], "cross_q": x["rstd2"], "gate_up": x["rstd3"]}
@@ -230,12 +229,10 @@ def layer_backward(dz, w: dict, norm: dict, c: StepShape, rows: Rows, cos, sin, 
     # window self-attention; the caller wrote the segment's own keys after forward: the whole span is there
     d_o = _split_heads(back("out", dz1), c.n_heads)
     idx, span_pos, span_doc = _window_span(at, s, c.window, key_pos, key_doc)
-    span_k, span_v = store_k.index_select(2, idx), store_v.index_select(2, idx)
-    q = _split_heads(p["q"], c.n_heads)
-    if cast is not None:
-        span_k, span_v = span_k.to(cast), span_v.to(cast)
-    probs, ds = attention_score_grads(q, span_k, span_v, visibility(q_pos, q_doc, span_pos, span_doc, c.window), d_o)
-    dq, d_span_k, d_span_v = ds @ span_k.to(ds.dtype), ds.transpose(-1, -2) @ q, probs.transpose(-1, -2) @ d_o.to(q.dtype)
+    # q is kept in the compute dtype, so the keys and values are read in it, as the forward's attention did
+    dq, d_span_k, d_span_v = attend_backward(_split_heads(p["q"], c.n_heads), store_k.index_select(2, idx),
+                                             store_v.index_select(2, idx),
+                                             visibility(q_pos, q_doc, span_pos, span_doc, c.window), d_o)
     dk = own_dk + d_span_k[:, :, c.window - 1:].to(own_dk.dtype)  # summed in the store's dtype, as the store does
     dv = own_dv + d_span_v[:, :, c.window - 1:].to(own_dv.dtype)
     d_qkv = _unheads((unrotate(dq), unrotate(dk), dv), c.n_heads)
@@ -335,17 +332,16 @@ def merge_gradients(merge: dict, e, feedback, merge_rows, eps: float) -> dict:
             "proj.weight": merge["scale"] * (dug.t() @ r.to(proj.dtype))}
 
 
-def memory_gradients(qc, d_oc, mem_k, mem_v, mask, cast):
+def memory_gradients(qc, d_oc, mem_k, mem_v, mask):
     """The memory's key and value gradients from a block of cross-attention reads, two GEMMs each.
 
     ``qc``/``d_oc`` ``[B, h, n, hd]``: the block's queries and output
-    gradients; ``mask`` ``[B, 1, n, M]``: what each query saw. The scores are
-    recomputed for the whole block at once, which costs two more GEMMs than
-    forming them at every position but reads and writes the memory once per
-    block instead of once per position.
+    gradients, in the compute dtype (the memory is read in it, as the
+    forward's attention did); ``mask`` ``[B, 1, n, M]``: what each query saw.
+    The scores are recomputed for the whole block at once, which costs two
+    more GEMMs than forming them at every position but reads and writes the
+    memory once per block instead of once per position.
     """
-    if cast is not None:
-        mem_k, mem_v = mem_k.to(cast), mem_v.to(cast)
     p, ds = attention_score_grads(qc, mem_k, mem_v, mask, d_oc)
     return ds.transpose(-1, -2) @ qc, p.transpose(-1, -2) @ d_oc.to(qc.dtype)
 

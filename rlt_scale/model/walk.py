@@ -270,7 +270,7 @@ class _Walk(torch.autograd.Function):
                         dv_store[:, :, lo + skip:at] += dv[:, :, skip:]
                         dy_l[:, i:j], dn_l[:, i:j] = dy_rows, dn_rows
                 _flush_block(walk, grads, t, start, stop, e, feedbacks, kept, mem, merge_w, layers_w, dy, dn,
-                             merge_rows, ctx.cast)
+                             merge_rows)
         ctx.walk = None
         merge_grads = grads.merge
         merge_grads.update({"initial_state": sums[:d], "norm.weight": sums[d:2 * d], "scale": sums[2 * d]})
@@ -296,7 +296,7 @@ class _Grads:
 
 
 def _flush_block(walk: ChunkWalk, grads: _Grads, t: _Tables, start, stop, e, feedbacks, kept, mem, merge_w,
-                 layers_w, dy, dn, merge_rows, cast) -> None:
+                 layers_w, dy, dn, merge_rows) -> None:
     """A block's weight gradients (one GEMM per weight) and memory gradients (two GEMMs per layer)."""
     rows, shape, n = walk.rows, walk.shape, stop - start
     mask = visibility(t.pos[:, start:stop], t.doc[:, start:stop], t.mem_pos, t.mem_doc)
@@ -312,7 +312,7 @@ def _flush_block(walk: ChunkWalk, grads: _Grads, t: _Tables, start, stop, e, fee
             _Grads.add(layer, name, g)
         group = shape.groups[i]
         dk, dv = memory_gradients(_heads_view(pr["qc"], shape.n_heads), _heads_view(g_dy["d_oc"], shape.n_heads),
-                                  *mem[group], mask, cast)
+                                  *mem[group], mask)
         memory = grads.memory.setdefault(group, [0, 0])
         memory[0] = memory[0] + dk.to(mem[group][0].dtype)
         memory[1] = memory[1] + dv.to(mem[group][1].dtype)
