@@ -44,6 +44,11 @@ def _positive(key: str, value, allow_zero: bool = False) -> None:
 class ModelConfig:
     """Shape of the Recurrent Looped Transformer (see DESIGN.md section 1)."""
 
+    EXECUTION_KEYS = ("decoder_solver", "decoder_wgrad_block", "decoder_step", "decoder_compile",
+                      "decoder_compile_cache", "jacobi_tol", "jacobi_max_sweeps")
+    """Keys that choose how the decoder is computed, not what the model is: a checkpoint
+    resumes under other values of them (checkpoint.py compares the rest)."""
+
     vocab_size: int = 260
     """Vocabulary size V of the embedding and readout; must cover the data's tokenizer."""
     d_model: int = 64

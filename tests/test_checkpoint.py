@@ -62,6 +62,18 @@ def test_another_model_config_is_refused_with_a_diff(trained, parity_data, tmp_p
     assert "model.d_model: checkpoint 16, run 32" in capsys.readouterr().err
 
 
+def test_a_checkpoint_resumes_under_another_way_of_running_the_decoder(trained, parity_data, tmp_path, ctx):
+    """decoder_step, decoder_compile, the weight-gradient block and the solver choose how the decoder is
+    computed, not what the model is: a run may switch them and resume; a real difference is still refused."""
+    run = _copy_run(trained[0], tmp_path)
+    how = {"model.decoder_step": "fused", "model.decoder_wgrad_block": 3, "model.decoder_solver": "jacobi"}
+    trainer = Trainer(load_config(None, _overrides(parity_data, run, **how)), ctx)
+    trainer.maybe_resume()
+    assert trainer.step == 4
+    with pytest.raises(ConfigError, match="model.window: checkpoint 4, run 5"):
+        Trainer(load_config(None, _overrides(parity_data, run, **how, **{"model.window": 5})), ctx).maybe_resume()
+
+
 def _state_file(run, step=4):
     return sorted((run / "checkpoints" / f"step_{step:08d}" / "state").glob("*.distcp"))[0]
 

@@ -45,6 +45,7 @@ from typing import Optional, Protocol
 
 import torch.distributed as dist
 
+from rlt_scale.config import ModelConfig
 from rlt_scale.errors import CheckpointError, ConfigError
 from rlt_scale.training.checkpoint_dir import FORMAT_VERSION, META_FILE, CheckpointDirectory, barrier
 from rlt_scale.training.checkpoint_files import (
@@ -246,11 +247,17 @@ class CheckpointManager(CheckpointDirectory):
 
     # ------------------------------------------------------------ loading
     def check_model_config(self, path: Path, meta: dict, run_model: dict) -> None:
-        """Refuse a checkpoint of another model, listing every differing key."""
+        """Refuse a checkpoint of another model, listing every differing key.
+
+        Keys that only choose how the decoder is computed
+        (:attr:`ModelConfig.EXECUTION_KEYS`) may differ: the same weights, the same model.
+        """
         saved = (meta.get("config") or {}).get("model")
         if saved is None:
             raise CheckpointError(f"{path / META_FILE} records no model config")
-        diff = config_diff(saved, run_model, "model")
+        how = set(ModelConfig.EXECUTION_KEYS)
+        diff = config_diff({k: v for k, v in saved.items() if k not in how},
+                           {k: v for k, v in run_model.items() if k not in how}, "model")
         if diff:
             raise ConfigError("model", f"the checkpoint {path} holds another model than this run's config:\n  "
                               + "\n  ".join(diff))
