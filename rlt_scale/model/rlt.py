@@ -218,7 +218,9 @@ class RLT(nn.Module):
         Every layer writes its keys in place into one store for the chunk
         (:mod:`rlt_scale.model.window`), so what backward keeps grows with
         the chunk, not with the window, and no per-position slice of ``e`` or
-        of the memory costs a full-length gradient.
+        of the memory costs a full-length gradient. With ``model.decoder_step=fused``
+        the chunk runs instead as one :class:`~rlt_scale.model.walk.ChunkWalk`,
+        the same function written out by hand (float64 tests hold the two equal).
         """
         segments = segments if segments is not None else feedback_segments(pos, self.cfg.feedback_block)
         rope = self.rotary(pos)
