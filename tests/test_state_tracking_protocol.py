@@ -196,7 +196,7 @@ def test_the_sweep_selects_on_validation_and_tests_each_seed_once(tmp_path, monk
 def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant(tmp_path, monkeypatch):
     proto = tiny_protocol(tmp_path)
     proto["variant_sweeps"] = {"wd": {
-        "task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40],
+        "task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40], "protocol": ["tasks.parity.max_steps=30"],
         "variants": {"wd0": ["optimizer.weight_decay=0.0"],
                      "wd1": {"set": ["optimizer.weight_decay=0.1"], "protocol": ["tasks.parity.max_steps=20"]}}}}
     st.prepare_data(proto, "parity", log=lambda *a: None)
@@ -210,13 +210,14 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
     monkeypatch.setattr(st, "test_one", counting_test_one)
     table = st.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
-    chosen = st.run_variant_sweep(proto, table, "wd", [0, 1], args, log=lambda *a: None)
+    chosen = st.run_variant_sweep(proto, table, "wd", [0, 1], args, log=lambda *a: None)["gru"]
     select = [r for r in table.records if r["phase"] == "select"]
     rows = [r for r in table.records if r["phase"] == "test"]
     assert sorted(r["tag"] for r in select) == ["wd0", "wd1"] and all("acc" not in r for r in select)
     assert all(set(r["val_acc"]) == {"24", "40"} for r in select), "the sweep's own validation lengths"
     assert chosen == max(select, key=lambda r: r["selection_score"])["tag"]
-    assert next(r for r in select if r["tag"] == "wd1")["max_steps"] == 20, "a variant's protocol override"
+    assert next(r for r in select if r["tag"] == "wd1")["max_steps"] == 20, "a variant's protocol override wins"
+    assert next(r for r in select if r["tag"] == "wd0")["max_steps"] == 30, "over the sweep's"
     assert len(tested) == 2 and sorted(r["seed"] for r in rows) == [0, 1] and {r["tag"] for r in rows} == {chosen}
     assert all("optimizer.weight_decay" in " ".join(r["overrides"]) for r in rows)
     st.run_variant_sweep(proto, st.Table(tmp_path / "out"), "wd", [0, 1], args, log=lambda *a: None)

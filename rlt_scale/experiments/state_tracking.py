@@ -10,6 +10,8 @@ Usage::
     python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1 --seeds 0 \\
         --set model.window=16 --tag w16                                 # a variant (RLT configs only)
     python -m rlt_scale.experiments.state_tracking --table-only         # rewrite results.md (+ plots)
+    python -m rlt_scale.experiments.state_tracking --tasks parity --models none \
+        --sweeps parity_encoder_window                                  # a variant sweep only (below)
 
 The protocol of one table row (task, model, supervision, tag):
 
@@ -26,6 +28,11 @@ The protocol of one table row (task, model, supervision, tag):
    split and ``val_lengths``, then over the selection seeds) is the row's.
 3. **Test.** Each seed of the row is trained at the chosen learning rate (the
    selection runs are reused, not retrained) and scored on the test sets.
+
+**Variant sweeps** (``variant_sweeps`` of the protocol, :func:`run_variant_sweep`)
+choose between config or protocol variants of a row the same way (validation
+only, then one test per seed of the chosen variant's row); ``run_sweeps`` are
+part of the whole protocol's run.
 
 Every run goes through the ordinary ``rlt-train`` loop
 (:class:`~rlt_scale.training.trainer.Trainer`, the YAML in
@@ -386,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the protocol's); evaluation is final-state accuracy either way")
     p.add_argument("--sweeps", help="comma-separated variant_sweeps of the protocol to run (default: its run_sweeps "
                                     "whose task is run); 'none' runs none")
+    p.add_argument("--sweep-models", help="comma-separated: run the variant sweeps for these of their models only")
     p.add_argument("--force", action="store_true", help="rerun runs already in results.json")
     p.add_argument("--table-only", action="store_true", help="only rewrite results.md and the plots from results.json")
     p.add_argument("--plots", help="directory for the accuracy-vs-length PNGs (default OUT/plots)")
@@ -460,10 +468,11 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
 
 
 def _sweep_protocol(proto: dict, sweep: dict, overrides: list[str]) -> dict:
-    """The protocol of one variant of ``sweep``: its ``val_lengths`` and the variant's protocol overrides."""
+    """The protocol of one variant of ``sweep``: its ``val_lengths``, the sweep's and the variant's protocol overrides."""
     sproto = copy.deepcopy(proto)
     if "val_lengths" in sweep:
         sproto["tasks"][sweep["task"]]["val_lengths"] = list(sweep["val_lengths"])
+    overrides = [*(sweep.get("protocol") or []), *overrides]
     if overrides:
         merged = OmegaConf.merge(OmegaConf.create(sproto), OmegaConf.from_dotlist(list(overrides)))
         sproto = OmegaConf.to_container(merged, resolve=True)
@@ -477,19 +486,31 @@ def _variant(spec) -> tuple[list[str], list[str]]:
     return list(spec or []), []
 
 
-def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], args, log) -> Optional[str]:
-    """Choose one of the config variants of ``variant_sweeps[name]`` on validation, then test the chosen one.
+def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], args, log) -> dict[str, str]:
+    """Choose one of the variants of ``variant_sweeps[name]`` on validation, then test the chosen one.
 
+    A sweep names ``task``, ``model`` (or ``models``: each gets the same
+    variants and chooses its own), ``lr`` (one peak learning rate for every
+    variant), optionally ``supervision``, ``val_lengths`` and ``protocol``
+    (protocol overrides shared by every variant), and ``variants``: name ->
+    config overrides, or ``{set: [...], protocol: [...]}``.
     Like the learning-rate sweep, on the variants instead: each variant is
     trained on the ``selection_seeds`` at the sweep's learning rate and scored
     on the validation sets only (``val_lengths`` of the sweep, e.g. a long
     validation length the table's own sweep does not read); the variant of the
     highest mean selection score becomes a table row, tagged with its name,
     whose seeds are trained (the selection runs reused) and tested once.
-    Returns the chosen variant's name.
+    Returns the chosen variant's name per model.
     """
     sweep = proto["variant_sweeps"][name]
-    task, model, lr = sweep["task"], sweep["model"], sweep.get("lr")
+    models = sweep.get("models") or [sweep["model"]]
+    if getattr(args, "sweep_models", None):
+        models = [m for m in models if m in _csv(args.sweep_models)]
+    return {model: _sweep_model(proto, table, name, sweep, model, seeds, args, log) for model in models}
+
+
+def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, seeds: list[int], args, log) -> str:
+    task, lr = sweep["task"], sweep.get("lr")
     supervision = sweep.get("supervision") or args.supervision or proto.get("supervision", "final")
     run = dict(steps=args.steps, log=log, supervision=supervision, lr=lr)
     scores: dict[str, list[float]] = {}
@@ -503,11 +524,12 @@ def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], ar
             if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
                 record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
                                          tag=variant, **run)
-                record.update(phase="select", quick=args.quick, variant_sweep=name, protocol_overrides=protocol_set)
+                record.update(phase="select", quick=args.quick, variant_sweep=name,
+                              protocol_overrides=[*(sweep.get("protocol") or []), *protocol_set])
                 table.add(record)
             scores.setdefault(variant, []).append(record["selection_score"])
     chosen = max(scores, key=lambda v: statistics.mean(scores[v]))
-    log(f"== sweep {name}: variant {chosen} chosen on validation "
+    log(f"== sweep {name}, {model}: variant {chosen} chosen on validation "
         + " ".join(f"{v}:{statistics.mean(sc):.4f}" for v, sc in scores.items()))
     if args.select_only:
         return chosen
@@ -526,7 +548,8 @@ def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], ar
             record, net, rlt = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
                                          tag=chosen, validate=False, **run)
         record.update(test_one(sproto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
-                      variant_sweep=name, chosen_variant=chosen, protocol_overrides=protocol_set,
+                      variant_sweep=name, chosen_variant=chosen,
+                      protocol_overrides=[*(sweep.get("protocol") or []), *protocol_set],
                       variant_scores={v: statistics.mean(sc) for v, sc in scores.items()})
         table.add(record)
     return chosen
@@ -561,6 +584,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         sweeps = [] if args.sweeps == "none" else _csv(args.sweeps)
     else:
         sweeps = [n for n in proto.get("run_sweeps", []) if known_sweeps[n]["task"] in tasks]
+        if args.supervision:  # a sweep fixes its own supervision; run only those that match
+            sweeps = [n for n in sweeps if known_sweeps[n].get("supervision", proto.get("supervision")) == args.supervision]
     for name in sweeps:
         if name not in known_sweeps:
             print(f"unknown sweep {name!r}; the protocol {args.protocol} has {list(known_sweeps)}", file=sys.stderr)
