@@ -204,3 +204,23 @@ def test_curriculum_trains_short_programs_first(tmp_path):
     assert (tmp_path / "out" / "runs" / "parity-gru-s0" / "stage-L2" / "val.jsonl").exists()
     # The GRU learns 8-bit parity from the answer alone here: 100% for seeds 0-2 (measured).
     assert record["acc"]["8"] >= 0.8, record
+
+
+def test_curriculum_entry_check_skips_a_stage_the_model_already_solves(tmp_path):
+    """With ``curriculum_entry_check`` a stage that receives a model scores it first (step 0) and is skipped
+    when that meets its target. ``curriculum_advance=0`` makes every score meet it: the first stage (no model
+    received) trains to its first evaluation, the second trains 0 steps; without the check it trains too."""
+    steps = {}
+    for check in (True, False):
+        proto = tiny_protocol(tmp_path / str(check), curriculum=[2, 4], curriculum_steps=80, curriculum_advance=0.0,
+                              max_steps=40, curriculum_entry_check=check)
+        st.prepare_data(proto, "parity")
+        record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / str(check) / "out", supervision="final",
+                            extra=["trainer.eval_interval=20"])
+        steps[check] = record["stage_steps"]
+        first_val = json.loads((tmp_path / str(check) / "out" / "runs" / "parity-gru-s0" / "stage-L4" / "val.jsonl")
+                               .read_text().splitlines()[0])
+        assert first_val["step"] == (0 if check else 20) and first_val["stop"], first_val
+        assert (record["val_history"][0][0] == 0) == check  # the last stage scored its model before training
+    assert steps[True][:2] == [(2, 20), (4, 0)] and steps[True][2][1] > 0, steps
+    assert steps[False][:2] == [(2, 20), (4, 20)], steps

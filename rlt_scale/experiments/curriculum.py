@@ -13,6 +13,14 @@ the next, and the learning-rate schedule (warmup + cosine) restarts per stage.
 Stages after the first may take overrides of their own (``curriculum_overrides``):
 restarting at the full peak learning rate can throw a model that has just
 learned the task at a shorter length off again (docs/RESULTS.md).
+
+With ``entry_check`` a stage that receives a model first scores it on its own
+validation split (logged as step 0, and a candidate for the best weights) and
+is skipped when that already meets its stopper's target. Why: under the
+answer-only loss a model that has solved 16 operations can already solve 24
+and 32, and training it further at a near-zero loss can blow it up (a
+five-state run went from loss 0.003 to 2.9 in 50 steps and never recovered;
+docs/RESULTS.md); a length the model already solves is not trained on.
 """
 
 from __future__ import annotations
@@ -100,9 +108,19 @@ def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper,
     return Trainer(cfg, model=model, objective=objective, callbacks=callbacks), cfg
 
 
+def _solved_on_entry(trainer: Trainer) -> bool:
+    """Score the carried-in model on the stage's validation split as step 0; True if its stopper says stop."""
+    sums = trainer.evaluate_sums()
+    return any([callback(trainer, 0, sums) for callback in trainer.callbacks])
+
+
 def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: list[str], answers,
-                 proto: dict, targets: Optional[TargetFn], log: Callable = print) -> Trained:
-    """Train through ``stages`` in order (the last one is the training length); ``common`` are shared overrides."""
+                 proto: dict, targets: Optional[TargetFn], log: Callable = print, entry_check: bool = False) -> Trained:
+    """Train through ``stages`` in order (the last one is the training length); ``common`` are shared overrides.
+
+    ``entry_check``: a stage after the first scores the model it receives before training and is skipped
+    (0 steps) when that meets its stopper's target (module docstring).
+    """
     previous = None
     stage_steps: list[tuple[int, int]] = []
     for i, stage in enumerate(stages):
@@ -118,7 +136,10 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         if previous is not None:
             trainer.model.load_state_dict(previous.model.state_dict())
             trainer.optimizer.load_state_dict(previous.optimizer.state_dict())
-        summary = trainer.fit()
-        stage_steps.append((stage.length, summary.steps))
+        if previous is not None and entry_check and _solved_on_entry(trainer):
+            log(f"-- stage {i + 1}/{len(stages)}: solved on entry, not trained")
+            stage_steps.append((stage.length, 0))
+        else:
+            stage_steps.append((stage.length, trainer.fit().steps))
         previous = trainer
     return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps)
