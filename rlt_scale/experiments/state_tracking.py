@@ -264,7 +264,8 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     start = time.perf_counter()
     rlt = not is_baseline(config_path)
     trained = train_stages(config_path, stages, run_dir, common, ANSWER_TOKENS[task], proto, targets, log,
-                           entry_check=spec.get("curriculum_entry_check", False))
+                           entry_check=spec.get("curriculum_entry_check", False),
+                           carry_best=spec.get("curriculum_carry_best", False))
     net = trained.model
     if rlt:
         counts = net.parameter_counts()
