@@ -469,23 +469,24 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
         table.add(record)
 
 
-def _sweep_protocol(proto: dict, sweep: dict, overrides: list[str]) -> dict:
-    """The protocol of one variant of ``sweep``: its ``val_lengths``, the sweep's and the variant's protocol overrides."""
+def _sweep_variant(proto: dict, sweep: dict, variant: str) -> tuple[list[str], list[str], dict]:
+    """One variant of ``sweep``: its config overrides, its protocol overrides and the protocol they give.
+
+    A variant is a list of config overrides, or ``{set: [...], protocol: [...]}``. Its protocol
+    overrides are the sweep's ``protocol`` then the variant's own (the variant's win); the protocol
+    also takes the sweep's ``val_lengths``.
+    """
+    spec = sweep["variants"][variant]
+    config_set, own = (list(spec.get("set") or []), list(spec.get("protocol") or [])) if isinstance(spec, dict) \
+        else (list(spec or []), [])
+    overrides = [*(sweep.get("protocol") or []), *own]
     sproto = copy.deepcopy(proto)
     if "val_lengths" in sweep:
         sproto["tasks"][sweep["task"]]["val_lengths"] = list(sweep["val_lengths"])
-    overrides = [*(sweep.get("protocol") or []), *overrides]
     if overrides:
-        merged = OmegaConf.merge(OmegaConf.create(sproto), OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(OmegaConf.create(sproto), OmegaConf.from_dotlist(overrides))
         sproto = OmegaConf.to_container(merged, resolve=True)
-    return sproto
-
-
-def _variant(spec) -> tuple[list[str], list[str]]:
-    """A variant is a list of config overrides, or ``{set: [...], protocol: [...]}``."""
-    if isinstance(spec, dict):
-        return list(spec.get("set") or []), list(spec.get("protocol") or [])
-    return list(spec or []), []
+    return config_set, overrides, sproto
 
 
 def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], args, log) -> dict[str, str]:
@@ -516,9 +517,8 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
     supervision = sweep.get("supervision") or args.supervision or proto.get("supervision", "final")
     run = dict(steps=args.steps, log=log, supervision=supervision, lr=lr)
     scores: dict[str, list[float]] = {}
-    for variant, spec in sweep["variants"].items():
-        config_set, protocol_set = _variant(spec)
-        sproto = _sweep_protocol(proto, sweep, protocol_set)
+    for variant in sweep["variants"]:
+        config_set, protocol_set, sproto = _sweep_variant(proto, sweep, variant)
         prepare_data(sproto, task, log)
         for seed in sproto.get("selection_seeds", [0]):
             key = run_key(task, model, seed, variant, supervision, lr)
@@ -527,7 +527,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
                 record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
                                          tag=variant, **run)
                 record.update(phase="select", quick=args.quick, variant_sweep=name,
-                              protocol_overrides=[*(sweep.get("protocol") or []), *protocol_set])
+                              protocol_overrides=protocol_set)
                 table.add(record)
             scores.setdefault(variant, []).append(record["selection_score"])
     chosen = max(scores, key=lambda v: statistics.mean(scores[v]))
@@ -535,8 +535,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
         + " ".join(f"{v}:{statistics.mean(sc):.4f}" for v, sc in scores.items()))
     if args.select_only:
         return chosen
-    config_set, protocol_set = _variant(sweep["variants"][chosen])
-    sproto = _sweep_protocol(proto, sweep, protocol_set)
+    config_set, protocol_set, sproto = _sweep_variant(proto, sweep, chosen)
     for seed in seeds:
         key = run_key(task, model, seed, chosen, supervision)
         if table.find(key) is not None and not args.force:
@@ -551,7 +550,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
                                          tag=chosen, validate=False, **run)
         record.update(test_one(sproto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
                       variant_sweep=name, chosen_variant=chosen,
-                      protocol_overrides=[*(sweep.get("protocol") or []), *protocol_set],
+                      protocol_overrides=protocol_set,
                       variant_scores={v: statistics.mean(sc) for v, sc in scores.items()})
         table.add(record)
     return chosen
