@@ -136,6 +136,30 @@ def test_baselines_are_parameter_matched_and_causal(path):
     assert model.forward_flops(34) > 0
 
 
+def test_the_transformer_window_limits_how_far_back_a_position_sees():
+    from rlt_scale.errors import ConfigError
+
+    torch.manual_seed(0)
+    full = build_baseline(BaselineConfig(n_layers=2))
+    windowed = build_baseline(BaselineConfig(n_layers=2, encoder_window=3))
+    wide = build_baseline(BaselineConfig(n_layers=2, encoder_window=12))
+    windowed.load_state_dict(full.state_dict())
+    wide.load_state_dict(full.state_dict())
+    tokens = torch.randint(0, 259, (2, 12))
+    changed = tokens.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % 259
+    # two blocks of a 3-token window (itself and 2 back): position t reads t-4 .. t
+    moved = (windowed(changed) - windowed(tokens)).abs().amax(dim=(0, 2))
+    assert (moved[2:7] > 1e-6).all() and (moved[7:] == 0).all(), moved
+    assert ((full(changed) - full(tokens)).abs().amax(dim=(0, 2))[7:] > 1e-6).all()
+    assert torch.equal(wide(tokens), full(tokens))  # a window as long as the input is full attention
+    d = 48
+    assert full.forward_flops(12) - windowed.forward_flops(12) == 2 * 4 * d * sum(t + 1 - 3 for t in range(3, 12))
+    assert wide.forward_flops(12) == full.forward_flops(12)
+    with pytest.raises(ConfigError, match="baseline.encoder_window"):
+        BaselineConfig(kind="gru", encoder_window=3).validate()
+
+
 def test_early_stopper_keeps_the_best_weights_and_stops():
     net = torch.nn.Linear(2, 1)
     stopper = EarlyStopper(target=0.99, patience=2, min_delta=0.0)

@@ -222,3 +222,15 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
     assert all("optimizer.weight_decay" in " ".join(r["overrides"]) for r in rows)
     st.run_variant_sweep(proto, st.Table(tmp_path / "out"), "wd", [0, 1], args, log=lambda *a: None)
     assert len(tested) == 2, "a rerun resumes"
+
+
+def test_a_variant_spells_its_change_for_rlt_and_baseline_configs_apart():
+    proto = st.load_protocol()
+    sweep = proto["variant_sweeps"]["parity_final_ew"]
+    assert st._sweep_variant(proto, sweep, "fine_ew32")[0] == ["model.encoder_window=32"]
+    assert st._sweep_variant(proto, sweep, "fine_ew32", baseline=True)[0] == ["baseline.encoder_window=32"]
+    # its 'fine' variant is the table's own row (the same key, so the selection run is reused): same
+    # overrides, same protocol
+    table_row = st._sweep_variant(proto, proto["variant_sweeps"]["parity_final"], "fine")
+    assert st._sweep_variant(proto, sweep, "fine") == table_row
+    assert st._sweep_variant(proto, sweep, "fine", baseline=True) == table_row

@@ -51,9 +51,15 @@ class BaselineConfig:
     """Transformer attention heads."""
     ffn_hidden_size: int = 0
     """Transformer SwiGLU width; 0 picks 8/3 * d rounded up to a multiple of 64 (as the RLT)."""
+    encoder_window: int = 0
+    """Transformer only: each token attends to itself and the ``encoder_window - 1`` tokens before it
+    (the RLT's ``model.encoder_window``, through the same blocks); 0 = full causal attention."""
     rope_theta: float = 10000.0
+    """Rotary base."""
     norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
     init_std: float = 0.02
+    """Standard deviation of the normal init of embedding, readout and (Transformer) block weights."""
 
     def validate(self) -> "BaselineConfig":
         if self.kind not in BASELINE_KINDS:
@@ -61,6 +67,9 @@ class BaselineConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"baseline.{name}", f"expected > 0, got {getattr(self, name)}")
+        if self.encoder_window < 0 or (self.encoder_window and self.kind != "transformer"):
+            raise ConfigError("baseline.encoder_window", f"expected 0, or > 0 with kind 'transformer'; got "
+                              f"{self.encoder_window} with kind {self.kind!r}")
         if self.kind == "transformer":
             self.model_config()  # checks heads/width through the RLT's own rules
         return self
@@ -70,7 +79,7 @@ class BaselineConfig:
         cfg = ModelConfig(
             vocab_size=self.vocab_size, d_model=self.d_model, n_heads=self.n_heads, n_enc_layers=self.n_layers,
             n_dec_layers=self.n_layers, ffn_hidden_size=self.ffn_hidden_size, rope_theta=self.rope_theta,
-            norm_eps=self.norm_eps, init_std=self.init_std, tie_layers=False,
+            norm_eps=self.norm_eps, init_std=self.init_std, tie_layers=False, encoder_window=self.encoder_window,
         )
         try:
             cfg.validate()
@@ -115,10 +124,13 @@ class CausalTransformer(_Counted, nn.Module):
         return self.readout(self.norm_out(x))
 
     def forward_flops(self, seq_len: int) -> int:
-        """Matmul FLOPs of one forward pass over one sample of ``seq_len`` tokens (useful causal attention)."""
+        """Matmul FLOPs of one forward pass over one sample of ``seq_len`` tokens (useful causal attention:
+        the (query, key) pairs the causal mask, and the window if any, let through)."""
         d, f, v = self.cfg.d_model, self.mcfg.ffn_size, self.cfg.vocab_size
         per_token = self.cfg.n_layers * 2 * (3 * d * d + d * d + 3 * d * f) + 2 * d * v
-        attention = self.cfg.n_layers * 4 * d * (seq_len * (seq_len + 1) // 2)
+        w = self.cfg.encoder_window or seq_len
+        pairs = sum(min(t + 1, w) for t in range(seq_len))
+        attention = self.cfg.n_layers * 4 * d * pairs
         return seq_len * per_token + attention
 
 

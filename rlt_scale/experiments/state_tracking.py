@@ -469,16 +469,17 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
         table.add(record)
 
 
-def _sweep_variant(proto: dict, sweep: dict, variant: str) -> tuple[list[str], list[str], dict]:
+def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = False) -> tuple[list[str], list[str], dict]:
     """One variant of ``sweep``: its config overrides, its protocol overrides and the protocol they give.
 
-    A variant is a list of config overrides, or ``{set: [...], protocol: [...]}``. Its protocol
-    overrides are the sweep's ``protocol`` then the variant's own (the variant's win); the protocol
-    also takes the sweep's ``val_lengths``.
+    A variant is a list of config overrides, or ``{set: [...], baseline_set: [...], protocol: [...]}``:
+    a baseline model (``baseline``) takes ``baseline_set`` instead of ``set`` (the same change spelled
+    for its ``baseline:`` section). Its protocol overrides are the sweep's ``protocol`` then the
+    variant's own (the variant's win); the protocol also takes the sweep's ``val_lengths``.
     """
     spec = sweep["variants"][variant]
-    config_set, own = (list(spec.get("set") or []), list(spec.get("protocol") or [])) if isinstance(spec, dict) \
-        else (list(spec or []), [])
+    config_set, own = (list(spec.get("baseline_set" if baseline else "set") or []), list(spec.get("protocol") or [])) \
+        if isinstance(spec, dict) else (list(spec or []), [])
     overrides = [*(sweep.get("protocol") or []), *own]
     sproto = copy.deepcopy(proto)
     if "val_lengths" in sweep:
@@ -517,8 +518,9 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
     supervision = sweep.get("supervision") or args.supervision or proto.get("supervision", "final")
     run = dict(steps=args.steps, log=log, supervision=supervision, lr=lr)
     scores: dict[str, list[float]] = {}
+    baseline = is_baseline(proto["models"][model])
     for variant in sweep["variants"]:
-        config_set, protocol_set, sproto = _sweep_variant(proto, sweep, variant)
+        config_set, protocol_set, sproto = _sweep_variant(proto, sweep, variant, baseline)
         prepare_data(sproto, task, log)
         for seed in sproto.get("selection_seeds", [0]):
             key = run_key(task, model, seed, variant, supervision, lr)
@@ -535,7 +537,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
         + " ".join(f"{v}:{statistics.mean(sc):.4f}" for v, sc in scores.items()))
     if args.select_only:
         return chosen
-    config_set, protocol_set, sproto = _sweep_variant(proto, sweep, chosen)
+    config_set, protocol_set, sproto = _sweep_variant(proto, sweep, chosen, baseline)
     for seed in seeds:
         key = run_key(task, model, seed, chosen, supervision)
         if table.find(key) is not None and not args.force:
