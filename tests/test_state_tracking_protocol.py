@@ -12,6 +12,7 @@ import torch
 from rlt_scale.data import tasks
 from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.data.config import DataConfig
+from rlt_scale.errors import ConfigError
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
 from rlt_scale.experiments.supervision import target_fn
@@ -234,3 +235,17 @@ def test_a_variant_spells_its_change_for_rlt_and_baseline_configs_apart():
     table_row = st._sweep_variant(proto, proto["variant_sweeps"]["parity_final"], "fine")
     assert st._sweep_variant(proto, sweep, "fine") == table_row
     assert st._sweep_variant(proto, sweep, "fine", baseline=True) == table_row
+
+
+def test_a_baseline_override_reaches_the_baseline_and_its_reload(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    proto["tasks"]["parity"]["max_steps"] = 2
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    record, net, rlt = st.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="w4",
+                                    extra=["baseline.encoder_window=4"], log=lambda *a: None)
+    assert not rlt and [b.window for b in net.blocks] == [4, 4]
+    reloaded = st.load_best(proto, record, "parity")  # rebuilt from the record's overrides
+    assert [b.window for b in reloaded.blocks] == [4, 4]
+    with pytest.raises(ConfigError, match="baseline.windw"):
+        st.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="bad",
+                     extra=["baseline.windw=4"], log=lambda *a: None)

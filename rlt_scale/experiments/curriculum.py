@@ -35,8 +35,10 @@ from typing import Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlt_scale.config import load_config
+from rlt_scale.errors import ConfigError
 from rlt_scale.experiments.baselines import BaselineConfig, build_baseline
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.supervision import TargetFn, as_objective_targets
@@ -87,6 +89,17 @@ class Trained:
     """``(length, steps)`` per stage."""
 
 
+def baseline_config(section: dict, overrides: list[str]) -> BaselineConfig:
+    """A YAML ``baseline:`` section with dotted ``baseline.key=value`` overrides; unknown keys are errors."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(BaselineConfig), section,
+                                 OmegaConf.from_dotlist(overrides).get("baseline", {}))
+    except (ConfigKeyError, ValidationError) as err:
+        raise ConfigError(f"baseline.{err.key}" if getattr(err, "key", None) else "baseline",
+                          str(err).splitlines()[0]) from None
+    return BaselineConfig(**OmegaConf.to_container(merged))
+
+
 def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper, answers, proto: dict,
                   run_dir: Path, targets: Optional[TargetFn], log: Callable = print):
     """The trainer of one stage, stopping on ``stopper``: an RLT variant, or a baseline as the model.
@@ -96,8 +109,9 @@ def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper,
     baseline = None
     if is_baseline(config_path):
         raw = OmegaConf.to_container(OmegaConf.load(config_path), resolve=True)
-        baseline = BaselineConfig(**raw.pop("baseline"))
-        cfg = load_config(None, flatten(raw) + overrides)
+        own = [o for o in overrides if o.startswith("baseline.")]  # the baseline: section's, not the trainer's
+        baseline = baseline_config(raw.pop("baseline"), own)
+        cfg = load_config(None, flatten(raw) + [o for o in overrides if o not in own])
     else:
         cfg = load_config(config_path, overrides)
     cfg.trainer.eval_batches = -(-proto["val_samples"] // cfg.trainer.micro_batch_size)
