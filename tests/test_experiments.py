@@ -183,6 +183,14 @@ def test_markdown_table_reports_mean_min_max():
     assert "| answer |" in table  # records without a supervision field are the data's own (final) targets
 
 
+def test_a_run_that_overrides_alpha_is_labelled_with_its_own():
+    from rlt_scale.experiments.report import model_label
+
+    assert model_label("rlt1_a1", {"overrides": ["trainer.seed=0"]}) == "RLT-1, alpha=1"
+    assert model_label("rlt1_a1", {"overrides": ["model.feedback_scale=0.1"]}) == "RLT-1, alpha=0.1"
+    assert model_label("rlt0", {"overrides": ["model.feedback_scale=0.5"]}) == "RLT-0 (no feedback), alpha=0.5"
+
+
 # ------------------------------------------------- the pipeline, end to end
 # The table's recipe, shrunk: RLT-1 with feedback scale 1 and the running-state loss
 # (docs/RESULTS.md). At the framework's defaults (alpha 0.1, answer-only loss) RLT-1

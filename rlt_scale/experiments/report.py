@@ -8,6 +8,7 @@ a table row's run, scored once on the test sets after its recipe was chosen.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -54,6 +55,15 @@ def test_records(records: list[dict]) -> list[dict]:
     return [r for r in records if r.get("phase", "test") == "test"]
 
 
+def model_label(model: str, record: dict) -> str:
+    """The model's name, with the feedback scale a run overrode (a variant's ``model.feedback_scale=``)."""
+    label = MODEL_LABELS.get(model, model)
+    alpha = next((o.split("=", 1)[1] for o in record.get("overrides", []) if o.startswith("model.feedback_scale=")), None)
+    if alpha is None:
+        return label
+    return re.sub(r"alpha=[^ ,)]+", f"alpha={alpha}", label) if "alpha=" in label else f"{label}, alpha={alpha}"
+
+
 def _groups(records: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
     task_order, model_order = list(TASK_LABELS), list(MODEL_LABELS)
@@ -77,7 +87,7 @@ def markdown_table(records: list[dict]) -> str:
             "published", "fwd MFLOPs/example", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (task, model, tag, supervision), rs in _groups(records).items():
-        label = MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else "")
+        label = model_label(model, rs[0]) + (f" `{tag}`" if tag else "")
         pub = published_for(task, model)
         comparable = not tag and rs[0]["train_length"] == 32 and not rs[0].get("quick")
         pub_cell = ", ".join(f"{L}: {v}" for L, v in sorted(pub.items())) if pub and comparable else ""
@@ -97,7 +107,7 @@ def markdown_table(records: list[dict]) -> str:
         head = ["model", "loss on", *[f"L={L} chain {c}" for L, c in cols]]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for (task, model, tag, supervision), rs in _groups(carry).items():
-            row = [MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else ""), SUPERVISION_LABELS[supervision],
+            row = [model_label(model, rs[0]) + (f" `{tag}`" if tag else ""), SUPERVISION_LABELS[supervision],
                    *[_cell([r["carry_acc"][str(L)][str(c)] for r in rs if str(c) in r["carry_acc"].get(str(L), {})])
                      for L, c in cols]]
             lines.append("| " + " | ".join(row) + " |")
@@ -118,7 +128,7 @@ def selection_table(records: list[dict]) -> str:
         for r in sorted(rs, key=lambda r: (r["lr"], r["seed"])):
             pick = chosen.get((task, model, tag, supervision)) == r["lr"]
             lines.append("| " + " | ".join([
-                TASK_LABELS.get(task, task), MODEL_LABELS.get(model, model) + (f" `{tag}`" if tag else ""),
+                TASK_LABELS.get(task, task), model_label(model, r) + (f" `{tag}`" if tag else ""),
                 SUPERVISION_LABELS[supervision], f"{r['lr']:g}", str(r["seed"]), str(r["steps"]),
                 *[f"{100 * r['val_acc'][str(L)]:.1f}" if str(L) in r["val_acc"] else "" for L in lengths],
                 f"{100 * r['selection_score']:.1f}", "yes" if pick else ""]) + " |")
@@ -144,7 +154,7 @@ def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
                 continue
             lengths = sorted({int(L) for r in rs for L in r["acc"]})
             runs = [[100 * r["acc"][str(L)] for r in rs if str(L) in r["acc"]] for L in lengths]
-            label = MODEL_LABELS.get(model, model) + (f" {tag}" if tag else "") + f" ({SUPERVISION_LABELS[supervision]})"
+            label = model_label(model, rs[0]) + (f" {tag}" if tag else "") + f" ({SUPERVISION_LABELS[supervision]})"
             line, = ax.plot(lengths, [statistics.mean(v) for v in runs], marker="o", label=label)
             ax.fill_between(lengths, [min(v) for v in runs], [max(v) for v in runs], color=line.get_color(), alpha=0.15)
             pub = published_for(task, model)
