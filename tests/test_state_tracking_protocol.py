@@ -249,3 +249,32 @@ def test_a_baseline_override_reaches_the_baseline_and_its_reload(tmp_path):
     with pytest.raises(ConfigError, match="baseline.windw"):
         st.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="bad",
                      extra=["baseline.windw=4"], log=lambda *a: None)
+
+
+def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypatch):
+    """SIGTERM makes the trainer checkpoint and return early; the runner must not score and record that
+    truncated run as if it had used its budget (it did, once: a 187-step 'budget' run)."""
+    import os
+    import signal
+
+    from rlt_scale.experiments import curriculum
+
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    real_build = curriculum.build_trainer
+
+    def sigterm(trainer, step, sums) -> bool:
+        os.kill(os.getpid(), signal.SIGTERM)  # inside fit(), where the trainer's own handler is installed
+        return False
+
+    def build_and_signal(*a, **kw):
+        trainer, cfg = real_build(*a, **kw)
+        trainer.callbacks.append(sigterm)  # called at the first evaluation
+        return trainer, cfg
+
+    monkeypatch.setattr(curriculum, "build_trainer", build_and_signal)
+    table = st.Table(tmp_path / "out")
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=2"])
+    with pytest.raises(curriculum.Preempted, match="stopped by a signal at step 2"):
+        st.run_row(proto, table, "parity", "gru", [0], [3e-3], args, log=lambda *a: None)
+    assert table.records == [] and not (tmp_path / "out" / "results.json").exists()

@@ -89,6 +89,11 @@ class Trained:
     """``(length, steps)`` per stage."""
 
 
+class Preempted(RuntimeError):
+    """A stage's trainer stopped on SIGTERM/SIGUSR1 (it checkpointed and returned early): the run is
+    unfinished, so it must not be scored or recorded as if it had used its budget."""
+
+
 def baseline_config(section: dict, overrides: list[str]) -> BaselineConfig:
     """A YAML ``baseline:`` section with dotted ``baseline.key=value`` overrides; unknown keys are errors."""
     try:
@@ -159,7 +164,10 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
             log(f"-- stage {i + 1}/{len(stages)}: solved on entry, not trained")
             stage_steps.append((stage.length, 0))
         else:
-            stage_steps.append((stage.length, trainer.fit().steps))
+            summary = trainer.fit()
+            if summary.preempted:
+                raise Preempted(f"{run_dir}: stopped by a signal at step {summary.steps} of stage L={stage.length}")
+            stage_steps.append((stage.length, summary.steps))
         if carry_best and not last:
             stage.stopper.restore(trainer.model)
         previous = trainer

@@ -62,7 +62,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlt_scale.data.prepare import prepare_task
-from rlt_scale.experiments.curriculum import Stage, build_trainer, is_baseline, train_stages
+from rlt_scale.experiments.curriculum import Preempted, Stage, build_trainer, is_baseline, train_stages
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
 from rlt_scale.experiments.report import markdown_table, plot_accuracy, selection_table
@@ -596,12 +596,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     log = lambda *a: print(*a, flush=True)  # noqa: E731
-    for task in tasks:
-        prepare_data(proto, task, log)
-        for model in models:
-            run_row(proto, table, task, model, seeds, lrs, args, log)
-    for name in sweeps:
-        run_variant_sweep(proto, table, name, seeds, args, log)
+    try:
+        for task in tasks:
+            prepare_data(proto, task, log)
+            for model in models:
+                run_row(proto, table, task, model, seeds, lrs, args, log)
+        for name in sweeps:
+            run_variant_sweep(proto, table, name, seeds, args, log)
+    except Preempted as err:
+        print(f"preempted: {err}. That run is not recorded; the finished ones are in {table.path}, and the "
+              "same command resumes from them.", file=sys.stderr, flush=True)
+        return 128 + 15
     print(f"\ntotal wall time {time.perf_counter() - started:.0f}s; results in {table.path}\n", flush=True)
     print(table.write_markdown(), flush=True)
     return 0
