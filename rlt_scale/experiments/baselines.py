@@ -31,6 +31,7 @@ from rlt_scale.model.blocks import EncoderBlock
 from rlt_scale.model.layers import RMSNorm, Rotary
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
+from rlt_scale.profiling.flops import causal_pairs
 
 BASELINE_KINDS = ("transformer", "gru")
 
@@ -128,9 +129,7 @@ class CausalTransformer(_Counted, nn.Module):
         the (query, key) pairs the causal mask, and the window if any, let through)."""
         d, f, v = self.cfg.d_model, self.mcfg.ffn_size, self.cfg.vocab_size
         per_token = self.cfg.n_layers * 2 * (3 * d * d + d * d + 3 * d * f) + 2 * d * v
-        w = self.cfg.encoder_window or seq_len
-        pairs = sum(min(t + 1, w) for t in range(seq_len))
-        attention = self.cfg.n_layers * 4 * d * pairs
+        attention = self.cfg.n_layers * 4 * d * causal_pairs(seq_len, self.cfg.encoder_window or None)
         return seq_len * per_token + attention
 
 

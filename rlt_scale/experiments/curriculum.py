@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
+from omegaconf.errors import OmegaConfBaseException
 
 from rlt_scale.config import load_config
 from rlt_scale.errors import ConfigError
@@ -99,9 +99,9 @@ def baseline_config(section: dict, overrides: list[str]) -> BaselineConfig:
     try:
         merged = OmegaConf.merge(OmegaConf.structured(BaselineConfig), section,
                                  OmegaConf.from_dotlist(overrides).get("baseline", {}))
-    except (ConfigKeyError, ValidationError) as err:
-        raise ConfigError(f"baseline.{err.key}" if getattr(err, "key", None) else "baseline",
-                          str(err).splitlines()[0]) from None
+    except OmegaConfBaseException as err:  # as load_config does for the trainer's config
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"baseline.{key}" if key else "baseline", str(err).splitlines()[0]) from None
     return BaselineConfig(**OmegaConf.to_container(merged))
 
 

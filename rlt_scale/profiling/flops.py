@@ -131,6 +131,14 @@ class FlopReport:
         }
 
 
+def causal_pairs(t_len: int, window: int | None = None) -> int:
+    """Useful (query, key) pairs of causal attention over ``t_len`` tokens, each seeing at most ``window``
+    keys itself included (None: all before it)."""
+    if window is None or window >= t_len:
+        return t_len * (t_len + 1) // 2
+    return sum(min(t, window) for t in range(1, t_len + 1))
+
+
 def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
     """(query, key) pairs per sample: useful and executed, for the three attentions."""
     t_len, w = work.seq_len, cfg.window
@@ -152,9 +160,9 @@ def _attention_pairs(cfg: ModelConfig, work: Workload) -> dict[str, int]:
     encoder_exec = t_len * t_len if enc_w is None else sum(
         (b - a) * (hi - lo) for a, b, lo, hi in _index_spans(t_len, t_len, enc_w, TILE))
     return {
-        "encoder_useful": causal if enc_w is None else sum(min(t, enc_w) for t in range(1, t_len + 1)),
+        "encoder_useful": causal_pairs(t_len, enc_w),
         "encoder_exec": encoder_exec,
-        "window_useful": sum(min(t, w) for t in range(1, t_len + 1)), "window_exec": window_exec,
+        "window_useful": causal_pairs(t_len, w), "window_exec": window_exec,
         "cross_useful": causal, "cross_exec": cross_exec, "cross_flush": cross_flush,
     }
 
