@@ -225,6 +225,26 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
     assert len(tested) == 2, "a rerun resumes"
 
 
+def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    proto["variant_sweeps"] = {"lr": {
+        "task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40], "protocol": ["tasks.parity.max_steps=20"],
+        "variants": {"peak3e-3": [], "peak1e-2": {"lr": 1e-2}}}}
+    table = st.Table(tmp_path / "out")
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
+    chosen = st.run_variant_sweep(proto, table, "lr", [0, 1], args, log=lambda *a: None)["gru"]
+    select = {r["tag"]: r for r in table.records if r["phase"] == "select"}
+    assert select["peak3e-3"]["lr"] == 3e-3 and select["peak1e-2"]["lr"] == 1e-2
+    assert "optimizer.lr=0.01" in select["peak1e-2"]["overrides"], "the variant's lr reaches the trainer"
+    assert select["peak1e-2"]["key"] == "parity-gru-peak1e-2-lr1e-2-s0"
+    rows = [r for r in table.records if r["phase"] == "test"]
+    assert {r["lr"] for r in rows} == {select[chosen]["lr"]} and len(rows) == 2
+    assert next(r for r in rows if r["seed"] == 0)["run_dir"] == select[chosen]["run_dir"], "seed 0 is reused"
+    proto["variant_sweeps"]["lr"]["variants"]["typo"] = {"lrr": 1e-3}
+    with pytest.raises(ValueError, match=r"variant_sweeps.typo: unknown key\(s\) \['lrr'\]"):
+        st._sweep_variant(proto, proto["variant_sweeps"]["lr"], "typo")
+
+
 def test_a_variant_spells_its_change_for_rlt_and_baseline_configs_apart():
     proto = st.load_protocol()
     sweep = proto["variant_sweeps"]["parity_final_ew"]

@@ -469,6 +469,9 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
         table.add(record)
 
 
+VARIANT_KEYS = {"set", "baseline_set", "protocol", "lr"}
+
+
 def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = False) -> tuple[list[str], list[str], dict]:
     """One variant of ``sweep``: its config overrides, its protocol overrides and the protocol they give.
 
@@ -478,6 +481,9 @@ def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = Fals
     variant's own (the variant's win); the protocol also takes the sweep's ``val_lengths``.
     """
     spec = sweep["variants"][variant]
+    unknown = set(spec) - VARIANT_KEYS if isinstance(spec, dict) else set()
+    if unknown:
+        raise ValueError(f"variant_sweeps.{variant}: unknown key(s) {sorted(unknown)}; a variant may have {sorted(VARIANT_KEYS)}")
     config_set, own = (list(spec.get("baseline_set" if baseline else "set") or []), list(spec.get("protocol") or [])) \
         if isinstance(spec, dict) else (list(spec or []), [])
     overrides = [*(sweep.get("protocol") or []), *own]
@@ -490,14 +496,21 @@ def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = Fals
     return config_set, overrides, sproto
 
 
+def _variant_lr(sweep: dict, variant: str) -> Optional[float]:
+    """A variant's own peak learning rate (``{lr: ...}``: a learning-rate sweep spelled as variants), else the sweep's."""
+    spec = sweep["variants"][variant]
+    return float(spec["lr"]) if isinstance(spec, dict) and spec.get("lr") is not None else sweep.get("lr")
+
+
 def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], args, log) -> dict[str, str]:
     """Choose one of the variants of ``variant_sweeps[name]`` on validation, then test the chosen one.
 
     A sweep names ``task``, ``model`` (or ``models``: each gets the same
     variants and chooses its own), ``lr`` (one peak learning rate for every
-    variant), optionally ``supervision``, ``val_lengths`` and ``protocol``
-    (protocol overrides shared by every variant), and ``variants``: name ->
-    config overrides, or ``{set: [...], protocol: [...]}``.
+    variant, unless the variant names its own), optionally ``supervision``,
+    ``val_lengths`` and ``protocol`` (protocol overrides shared by every
+    variant), and ``variants``: name -> config overrides, or ``{set: [...],
+    baseline_set: [...], protocol: [...], lr: ...}``.
     Like the learning-rate sweep, on the variants instead: each variant is
     trained on the ``selection_seeds`` at the sweep's learning rate and scored
     on the validation sets only (``val_lengths`` of the sweep, e.g. a long
@@ -514,20 +527,21 @@ def run_variant_sweep(proto: dict, table: Table, name: str, seeds: list[int], ar
 
 
 def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, seeds: list[int], args, log) -> str:
-    task, lr = sweep["task"], sweep.get("lr")
+    task = sweep["task"]
     supervision = sweep.get("supervision") or args.supervision or proto.get("supervision", "final")
-    run = dict(steps=args.steps, log=log, supervision=supervision, lr=lr)
+    run = dict(steps=args.steps, log=log, supervision=supervision)
     scores: dict[str, list[float]] = {}
     baseline = is_baseline(proto["models"][model])
     for variant in sweep["variants"]:
         config_set, protocol_set, sproto = _sweep_variant(proto, sweep, variant, baseline)
+        lr = _variant_lr(sweep, variant)
         prepare_data(sproto, task, log)
         for seed in sproto.get("selection_seeds", [0]):
             key = run_key(task, model, seed, variant, supervision, lr)
             record = table.find(key)
             if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
                 record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
-                                         tag=variant, **run)
+                                         tag=variant, lr=lr, **run)
                 record.update(phase="select", quick=args.quick, variant_sweep=name,
                               protocol_overrides=protocol_set)
                 table.add(record)
@@ -538,6 +552,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
     if args.select_only:
         return chosen
     config_set, protocol_set, sproto = _sweep_variant(proto, sweep, chosen, baseline)
+    lr = _variant_lr(sweep, chosen)
     for seed in seeds:
         key = run_key(task, model, seed, chosen, supervision)
         if table.find(key) is not None and not args.force:
@@ -549,7 +564,7 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
             record = dict(reused)
         else:
             record, net, rlt = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
-                                         tag=chosen, validate=False, **run)
+                                         tag=chosen, validate=False, lr=lr, **run)
         record.update(test_one(sproto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
                       variant_sweep=name, chosen_variant=chosen,
                       protocol_overrides=protocol_set,
