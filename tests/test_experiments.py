@@ -279,3 +279,32 @@ def test_curriculum_carry_best_hands_on_the_best_weights_not_the_last(tmp_path):
     assert step == 0 and entry == best and best > last, got  # the run's best and last differ: the test can fail
     (step, entry), best, last = got[False]
     assert step == 0 and entry == last, got
+
+
+def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_stage(tmp_path):
+    """``stage_ablation`` replays a recorded curriculum run to the entry of its last stage: the replay's stage
+    steps, the entry score and the as-run stage's validation scores equal the record's. A variant (fresh AdamW
+    moments) starts from the same entry score and then trains differently."""
+    from rlt_scale.experiments import stage_ablation as ab
+
+    proto = tiny_protocol(tmp_path, curriculum=[4], curriculum_steps=40, curriculum_advance=1.1, max_steps=40,
+                          curriculum_entry_check=True, curriculum_carry_best=True)
+    st.prepare_data(proto, "parity")
+    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
+                        extra=["trainer.eval_interval=20", "optimizer.warmup_steps=5"])
+    entry, stages, index, common = ab.replay_to_entry(proto, record, 8, tmp_path / "ablation", log=lambda *a: None)
+    assert index == 1 and [list(s) for s in entry.stage_steps] == [list(s) for s in record["stage_steps"][:1]]
+    runs = {name: ab.run_variant(name, proto, record, entry, stages, index, common, steps=20, every=10,
+                                 work=tmp_path / "ablation", log=lambda *a: None)
+            for name in ("as_run", "fresh_moments")}
+    as_run = {h["step"]: h["val_acc"] for h in runs["as_run"]["history"]}
+    assert sorted(as_run) == [0, 10, 20] and len(runs["as_run"]["train"]) == 20
+    assert [step for step, _ in record["val_history"] if step in as_run] == [0, 20]
+    assert [as_run[step] for step, _ in record["val_history"] if step in as_run] == \
+           [acc for step, acc in record["val_history"] if step in as_run], (as_run, record["val_history"])
+    fresh = runs["fresh_moments"]
+    assert fresh["history"][0]["val_acc"] == as_run[0] and fresh["history"][0]["distance"] == 0.0
+    assert fresh["train"][0]["loss"] == runs["as_run"]["train"][0]["loss"], "the same entry weights and batch"
+    assert fresh["train"][-1]["loss"] != runs["as_run"]["train"][-1]["loss"], "and another optimizer state"
+    with pytest.raises(SystemExit, match="stage 4: not a later stage"):
+        ab.replay_to_entry(proto, record, 4, tmp_path / "ablation", log=lambda *a: None)

@@ -87,6 +87,8 @@ class Trained:
     """Optimizer steps over all stages."""
     stage_steps: list[tuple[int, int]]
     """``(length, steps)`` per stage."""
+    trainer: Trainer
+    """The last stage's trainer: its optimizer holds the AdamW moments a next stage would carry on."""
 
 
 class Preempted(RuntimeError):
@@ -130,6 +132,12 @@ def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper,
     return Trainer(cfg, model=model, objective=objective, callbacks=callbacks), cfg
 
 
+def stage_overrides(stage: Stage, stage_dir: Path, common: list[str]) -> list[str]:
+    """The trainer overrides of one stage: its data, run directory and budget, the run's, then its own."""
+    return [f"data.path={stage.data}", f"data.eval_path={stage.data / 'eval'}", f"checkpoint.dir={stage_dir}",
+            f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
+
+
 def _solved_on_entry(trainer: Trainer) -> bool:
     """Score the carried-in model on the stage's validation split as step 0; True if its stopper says stop."""
     sums = trainer.evaluate_sums()
@@ -151,8 +159,7 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         last = i == len(stages) - 1
         stage_dir = run_dir if last else run_dir / f"stage-L{stage.length}"
         stage_dir.mkdir(parents=True, exist_ok=True)
-        overrides = [f"data.path={stage.data}", f"data.eval_path={stage.data / 'eval'}", f"checkpoint.dir={stage_dir}",
-                     f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
+        overrides = stage_overrides(stage, stage_dir, common)
         if len(stages) > 1:
             log(f"-- stage {i + 1}/{len(stages)}: length {stage.length}, up to {stage.max_steps} steps "
                 f"{' '.join(stage.overrides)}")
@@ -171,4 +178,4 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         if carry_best and not last:
             stage.stopper.restore(trainer.model)
         previous = trainer
-    return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps)
+    return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps, previous)

@@ -232,6 +232,27 @@ def _accuracy(proto: dict, task: str, predict, folder: Path, length: int) -> flo
     return evaluate_path(predict, str(folder), ANSWER_TOKENS[task], eval_batch(proto, seq_len_of(task, length))).accuracy
 
 
+def build_stages(proto: dict, task: str, seed: int, max_steps: int, lr: Optional[float] = None,
+                 extra: Optional[list[str]] = None) -> tuple[list[str], list[Stage]]:
+    """A run's overrides shared by every stage, and its stages: the task's curriculum, then its training length.
+
+    Every stage after the first takes the later-stage learning rate, the task's ``curriculum_overrides`` and
+    ``extra`` (``extra`` comes last everywhere and wins). The last stage stops on the protocol's
+    early stopping, the others on ``curriculum_advance``.
+    """
+    spec = proto["tasks"][task]
+    first_lr, later_lr = lr_overrides(proto, lr)
+    common = [f"trainer.seed={seed}", f"data.seed={seed}"] + first_lr + list(extra or [])
+    es = proto["early_stopping"]
+    stopper = EarlyStopper(target=es["target"], patience=es["patience"], min_delta=es.get("min_delta", 0.0))
+    later = (*later_lr, *spec.get("curriculum_overrides", []), *(extra or []))
+    stages = [Stage(length, train_dir(proto, task, length), spec.get("curriculum_steps", max_steps),
+                    EarlyStopper(target=spec.get("curriculum_advance", es["target"]), patience=0), later if i else ())
+              for i, length in enumerate(spec.get("curriculum", []))]
+    stages.append(Stage(spec["train_length"], train_dir(proto, task), max_steps, stopper, later if stages else ()))
+    return common, stages
+
+
 def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
               extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None,
               lr: Optional[float] = None, validate: bool = True) -> tuple[dict, torch.nn.Module, bool]:
@@ -248,15 +269,8 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     run_dir = out / "runs" / key
     shutil.rmtree(run_dir, ignore_errors=True)
     max_steps = steps or spec["max_steps"]
-    first_lr, later_lr = lr_overrides(proto, lr)
-    common = [f"trainer.seed={seed}", f"data.seed={seed}"] + first_lr + list(extra or [])
-    es = proto["early_stopping"]
-    stopper = EarlyStopper(target=es["target"], patience=es["patience"], min_delta=es.get("min_delta", 0.0))
-    later = (*later_lr, *spec.get("curriculum_overrides", []), *(extra or []))  # every stage after the first
-    stages = [Stage(length, train_dir(proto, task, length), spec.get("curriculum_steps", max_steps),
-                    EarlyStopper(target=spec.get("curriculum_advance", es["target"]), patience=0), later if i else ())
-              for i, length in enumerate(spec.get("curriculum", []))]
-    stages.append(Stage(spec["train_length"], train_dir(proto, task), max_steps, stopper, later if stages else ()))
+    common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
+    stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
     log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
         f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
