@@ -290,8 +290,8 @@ def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_st
     proto = tiny_protocol(tmp_path, curriculum=[4], curriculum_steps=40, curriculum_advance=1.1, max_steps=40,
                           curriculum_entry_check=True, curriculum_carry_best=True)
     st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
-                        extra=["trainer.eval_interval=20", "optimizer.warmup_steps=5"])
+    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="final",
+                        extra=[*TINY_RLT, "trainer.eval_interval=20", "optimizer.warmup_steps=5"])
     entry, stages, index, common = ab.replay_to_entry(proto, record, 8, tmp_path / "ablation", log=lambda *a: None)
     assert index == 1 and [list(s) for s in entry.stage_steps] == [list(s) for s in record["stage_steps"][:1]]
     runs = {name: ab.run_variant(name, proto, record, entry, stages, index, common, steps=20, every=10,

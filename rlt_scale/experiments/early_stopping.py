@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 
-def _snapshot(model: torch.nn.Module) -> dict:
+def snapshot(model: torch.nn.Module) -> dict:
     """A copy of the state dict (megatron layers add non-tensor ``_extra_state`` entries: kept as they are)."""
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in model.state_dict().items()}
 
@@ -49,12 +49,12 @@ class EarlyStopper:
         self.history.append((step, acc))
         if acc > self.best_acc + self.min_delta or self.best_state is None:
             self.best_acc, self.best_step, self.stale = acc, step, 0
-            self.best_state = _snapshot(model)
+            self.best_state = snapshot(model)
         else:
             self.stale += 1
             if acc > self.best_acc:  # a small gain still moves the kept weights, not the patience
                 self.best_acc, self.best_step = acc, step
-                self.best_state = _snapshot(model)
+                self.best_state = snapshot(model)
         stop = acc >= self.target or (self.patience > 0 and self.stale >= self.patience)
         self.stopped_early = self.stopped_early or stop
         return stop

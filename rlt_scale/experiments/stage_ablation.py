@@ -34,7 +34,7 @@ import torch
 
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.curriculum import build_trainer, stage_overrides, train_stages
-from rlt_scale.experiments.early_stopping import EarlyStopper
+from rlt_scale.experiments.early_stopping import EarlyStopper, snapshot
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
 
 # name -> trainer overrides, AdamW param-group edits (applied after the carried state is loaded, which
@@ -84,7 +84,7 @@ def _distance(model: torch.nn.Module, start: dict[str, torch.Tensor]) -> float:
     """||theta - theta_entry|| / ||theta_entry|| over every parameter."""
     num = den = 0.0
     for name, p in model.state_dict().items():
-        if name in start and start[name].is_floating_point():
+        if isinstance(start.get(name), torch.Tensor) and start[name].is_floating_point():
             num += float((p - start[name]).pow(2).sum())
             den += float(start[name].pow(2).sum())
     return (num / max(den, 1e-30)) ** 0.5
@@ -129,7 +129,7 @@ def run_variant(name: str, proto: dict, record: dict, entry, stages, index: int,
         for group in trainer.optimizer.param_groups:
             if key != "weight_decay" or group["weight_decay"] > 0:
                 group[key] = value
-    start = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    start = snapshot(trainer.model)
 
     def measure(trainer_, step, sums):
         history.append({"step": step, "val_acc": sums.accuracy, "val_loss": sums.mean_loss,
