@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -171,6 +172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     proto = record_protocol(st.load_protocol(args.protocol), record)
     out = Path(args.out or f"runs/experiments/stage_ablation/{args.key}-L{args.stage}.json")
     work = out.with_suffix("")
+    shutil.rmtree(work, ignore_errors=True)  # a rerun replays afresh (as train_one does its run directory)
     entry, stages, index, common = replay_to_entry(proto, record, args.stage, work, log)
     recorded = dict(record["stage_steps"])
     replayed = [list(s) for s in entry.stage_steps]
