@@ -308,3 +308,15 @@ def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_st
     assert fresh["train"][-1]["loss"] != runs["as_run"]["train"][-1]["loss"], "and another optimizer state"
     with pytest.raises(SystemExit, match="stage 4: not a later stage"):
         ab.replay_to_entry(proto, record, 4, tmp_path / "ablation", log=lambda *a: None)
+
+
+def test_every_stage_ablation_variant_spells_real_config_keys():
+    from rlt_scale.config import load_config
+    from rlt_scale.experiments import stage_ablation as ab
+
+    for name, spec in ab.VARIANTS.items():
+        load_config("configs/experiments/rlt1-alpha1.yaml", spec.get("set", []))  # an unknown key raises
+        assert set(spec) <= {"set", "group", "fresh", "lr_scale"}, name
+    scaled = ab._scaled_lr(["optimizer.lr=0.003", "optimizer.min_lr=0.0003", "optimizer.lr=0.001"], 0.1)
+    assert [o.split("=")[0] for o in scaled] == ["optimizer.lr", "optimizer.min_lr"]  # the last setting of each
+    assert [float(o.split("=")[1]) for o in scaled] == pytest.approx([1e-4, 3e-5], rel=1e-12)

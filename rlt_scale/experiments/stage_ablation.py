@@ -48,7 +48,7 @@ VARIANTS: dict[str, dict] = {
     "eps1e-6": {"group": {"eps": 1e-6}},
     "beta2_0.999": {"group": {"betas": (0.9, 0.999)}},
     "no_weight_decay": {"group": {"weight_decay": 0.0}},
-    "no_clip": {"set": ["trainer.grad_clip=0"]},
+    "no_clip": {"set": ["optimizer.grad_clip=0"]},
 }
 
 
