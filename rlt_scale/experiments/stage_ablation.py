@@ -77,7 +77,7 @@ def _scaled_lr(overrides: list[str], scale: float) -> list[str]:
         if name in ("optimizer.lr", "optimizer.min_lr"):
             found[name] = float(value)
     if "optimizer.lr" not in found:
-        raise SystemExit("lr_div10: the stage's overrides set no optimizer.lr to scale")
+        raise SystemExit("lr_scale: the stage's overrides set no optimizer.lr to scale")
     return [f"{name}={value * scale}" for name, value in found.items()]
 
 
@@ -94,13 +94,15 @@ def _distance(model: torch.nn.Module, start: dict[str, torch.Tensor]) -> float:
 def replay_to_entry(proto: dict, record: dict, stage_length: int, work: Path, log):
     """Train ``record``'s run through the stages before ``stage_length``; returns (trained, stages, index, common)."""
     task, seed = record["task"], record["seed"]
-    common, stages = st.build_stages(proto, task, seed, record["max_steps"], record.get("lr"),
-                                     record["overrides"][len(st.lr_overrides(proto, record.get("lr"))[0]) + 2:])
+    # a record's overrides are its two seeds, its first stage's lr, then the extra ones: keep the extra ones
+    extra = record["overrides"][2 + len(st.lr_overrides(proto, record.get("lr"))[0]):]
+    common, stages = st.build_stages(proto, task, seed, record["max_steps"], record.get("lr"), extra)
     index = next((i for i, s in enumerate(stages) if s.length == stage_length), None)
     if not index:
         raise SystemExit(f"stage {stage_length}: not a later stage of {record['key']} "
                          f"(stages {[s.length for s in stages]})")
-    assert common == record["overrides"], "the replay must use the recorded run's overrides"
+    if common != record["overrides"]:
+        raise SystemExit(f"{record['key']}: the replay's overrides {common} are not the record's {record['overrides']}")
     spec = proto["tasks"][task]
     trained = train_stages(proto["models"][record["model"]], stages[:index], work / "replay", common,
                            ANSWER_TOKENS[task], proto, st.target_fn(task, record["supervision"]), log,
@@ -112,6 +114,8 @@ def replay_to_entry(proto: dict, record: dict, stage_length: int, work: Path, lo
 
 def run_variant(name: str, proto: dict, record: dict, entry, stages, index: int, common: list[str],
                 steps: int, every: int, work: Path, log) -> dict:
+    """Train stage ``index`` from ``entry`` (weights and, unless the variant resets them, AdamW moments) for
+    ``steps`` under variant ``name``; returns its validation history, per-step training records and summary."""
     spec, task = VARIANTS[name], record["task"]
     stage = stages[index]
     run_dir = work / name
