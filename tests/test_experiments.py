@@ -13,6 +13,7 @@ from rlt_scale.data.prepare import prepare_task
 from rlt_scale.data.tasks import transition_table
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.baselines import BaselineConfig, build_baseline, count_parameters
+from rlt_scale.experiments.curriculum import curriculum_options
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import (
     ANSWER_TOKENS,
@@ -281,25 +282,51 @@ def test_curriculum_carry_best_hands_on_the_best_weights_not_the_last(tmp_path):
     assert step == 0 and entry == last, got
 
 
+def test_curriculum_near_solved_stage_trains_at_a_smaller_step(tmp_path):
+    """``curriculum_near_solved``: a stage whose entry score reaches it without meeting its target trains at
+    ``curriculum_near_solved_lr_scale`` of its learning rate. At 0.0 every entry counts, at 1.01 none does;
+    the first stage has no entry score and keeps its own."""
+    got = {}
+    for at in (0.0, 1.01):
+        root = tmp_path / str(at)
+        proto = tiny_protocol(root, curriculum=[4], curriculum_steps=20, curriculum_advance=1.1, max_steps=20,
+                              curriculum_entry_check=True, curriculum_near_solved=at,
+                              curriculum_near_solved_lr_scale=0.25)
+        st.prepare_data(proto, "parity")
+        record = st.run_one(proto, "parity", "gru", seed=0, out=root / "out", supervision="final",
+                            extra=["trainer.eval_interval=10", "optimizer.lr=0.02"])
+        got[at] = record
+    assert got[1.01]["stage_lrs"] == [(4, 0.02), (8, 0.02)]
+    assert got[0.0]["stage_lrs"] == [(4, 0.02), (8, pytest.approx(0.005, rel=1e-12))]
+    assert got[0.0]["val_history"][0] == got[1.01]["val_history"][0]  # the same entry ...
+    assert got[0.0]["val_history"][1:] != got[1.01]["val_history"][1:]  # ... trained differently
+    with pytest.raises(ValueError, match="curriculum_near_solved needs curriculum_entry_check"):
+        curriculum_options({"curriculum_near_solved": 0.9})
+
+
 def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_stage(tmp_path):
     """``stage_ablation`` replays a recorded curriculum run to the entry of its last stage: the replay's stage
-    steps, the entry score and the as-run stage's validation scores equal the record's. A variant (fresh AdamW
-    moments) starts from the same entry score and then trains differently."""
+    steps, the entry score and the as-run stage's validation scores equal the record's. Two earlier stages,
+    the first of which hands on its best weights, not its last (``curriculum_carry_best``), as the table's
+    runs did. A variant (fresh AdamW moments) starts from the same entry score and then trains differently."""
     from rlt_scale.experiments import stage_ablation as ab
 
-    proto = tiny_protocol(tmp_path, curriculum=[4], curriculum_steps=40, curriculum_advance=1.1, max_steps=40,
+    proto = tiny_protocol(tmp_path, curriculum=[4, 6], curriculum_steps=40, curriculum_advance=1.1, max_steps=40,
                           curriculum_entry_check=True, curriculum_carry_best=True)
     st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="final",
-                        extra=[*TINY_RLT, "trainer.eval_interval=20", "optimizer.warmup_steps=5"])
+    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
+                        extra=[*TINY_RLT, "trainer.eval_interval=10", "optimizer.warmup_steps=5", "optimizer.lr=0.01"])
+    first = [json.loads(line)["val_acc"] for line in
+             (tmp_path / "out" / "runs" / "parity-rlt1-running-s0" / "stage-L4" / "val.jsonl").read_text().splitlines()]
+    assert max(first) > first[-1], first  # its best is not its last: a replay that hands on the last differs
     entry, stages, index, common = ab.replay_to_entry(proto, record, 8, tmp_path / "ablation", log=lambda *a: None)
-    assert index == 1 and [list(s) for s in entry.stage_steps] == [list(s) for s in record["stage_steps"][:1]]
+    assert index == 2 and [list(s) for s in entry.stage_steps] == [list(s) for s in record["stage_steps"][:2]]
     runs = {name: ab.run_variant(name, proto, record, entry, stages, index, common, steps=20, every=10,
                                  work=tmp_path / "ablation", log=lambda *a: None)
             for name in ("as_run", "fresh_moments")}
     as_run = {h["step"]: h["val_acc"] for h in runs["as_run"]["history"]}
     assert sorted(as_run) == [0, 10, 20] and len(runs["as_run"]["train"]) == 20
-    assert [step for step, _ in record["val_history"] if step in as_run] == [0, 20]
+    assert [step for step, _ in record["val_history"] if step in as_run] == [0, 10, 20]
     assert [as_run[step] for step, _ in record["val_history"] if step in as_run] == \
            [acc for step, acc in record["val_history"] if step in as_run], (as_run, record["val_history"])
     fresh = runs["fresh_moments"]

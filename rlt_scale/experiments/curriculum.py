@@ -24,6 +24,12 @@ docs/RESULTS.md); a length the model already solves is not trained on.
 With ``carry_best`` a stage hands on its best validated weights, not its last:
 a stage whose training wrecks the model (a seed went from 98.4% to 47% at 24
 operations within 50 steps) then costs its steps but not what was learned.
+With ``near_solved`` (an entry score, e.g. 0.9) a stage whose entry score
+reaches it without meeting its target trains at ``near_solved_lr_scale`` of
+its learning rate (peak and floor). Why: the blow-up above is exploding
+gradients through the recurrence, set off by the stage's step size; from the
+same entry state a tenth of that step holds or finishes the model
+(``stage_ablation``, docs/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -89,6 +95,8 @@ class Trained:
     """``(length, steps)`` per stage."""
     trainer: Trainer
     """The last stage's trainer: its optimizer holds the AdamW moments a next stage would carry on."""
+    stage_lrs: list[tuple[int, float]]
+    """``(length, peak learning rate)`` per stage, as trained (``near_solved`` may have lowered one)."""
 
 
 class Preempted(RuntimeError):
@@ -138,23 +146,50 @@ def stage_overrides(stage: Stage, stage_dir: Path, common: list[str]) -> list[st
             f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
 
 
-def _solved_on_entry(trainer: Trainer) -> bool:
-    """Score the carried-in model on the stage's validation split as step 0; True if its stopper says stop."""
+@dataclass(frozen=True)
+class NearSolved:
+    """A smaller step for a stage whose carried-in model already nearly solves it (see the module docstring)."""
+    at: float
+    """Entry validation accuracy from which the stage counts as nearly solved."""
+    lr_scale: float = 0.1
+    """Share of the stage's learning rate (peak and floor) it then trains at."""
+
+    def overrides(self, cfg) -> list[str]:
+        return [f"optimizer.lr={cfg.optimizer.lr * self.lr_scale}",
+                f"optimizer.min_lr={cfg.optimizer.min_lr * self.lr_scale}"]
+
+
+def curriculum_options(spec: dict) -> dict:
+    """``train_stages``' keyword options from a task's protocol (``curriculum_entry_check``, ...)."""
+    entry_check = bool(spec.get("curriculum_entry_check", False))
+    near = spec.get("curriculum_near_solved")
+    if near is not None and not entry_check:
+        raise ValueError("curriculum_near_solved needs curriculum_entry_check: true (it acts on the entry score)")
+    return dict(entry_check=entry_check, carry_best=bool(spec.get("curriculum_carry_best", False)),
+                near_solved=None if near is None else
+                NearSolved(float(near), float(spec.get("curriculum_near_solved_lr_scale", 0.1))))
+
+
+def _score_on_entry(trainer: Trainer) -> tuple[float, bool]:
+    """Score the carried-in model on the stage's validation split as step 0: (accuracy, its stopper says stop)."""
     sums = trainer.evaluate_sums()
-    return any([callback(trainer, 0, sums) for callback in trainer.callbacks])
+    return sums.accuracy, any([callback(trainer, 0, sums) for callback in trainer.callbacks])
 
 
 def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: list[str], answers,
                  proto: dict, targets: Optional[TargetFn], log: Callable = print, entry_check: bool = False,
-                 carry_best: bool = False) -> Trained:
+                 carry_best: bool = False, near_solved: Optional[NearSolved] = None) -> Trained:
     """Train through ``stages`` in order (the last one is the training length); ``common`` are shared overrides.
 
     ``entry_check``: a stage after the first scores the model it receives before training and is skipped
     (0 steps) when that meets its stopper's target. ``carry_best``: a stage before the last hands on the
-    weights of its best evaluation (the AdamW moments stay the last step's). See the module docstring.
+    weights of its best evaluation (the AdamW moments stay the last step's). ``near_solved``: a stage whose
+    entry score reaches ``near_solved.at`` (needs ``entry_check``) trains at a share of its learning rate.
+    See the module docstring.
     """
     previous = None
     stage_steps: list[tuple[int, int]] = []
+    stage_lrs: list[tuple[int, float]] = []
     for i, stage in enumerate(stages):
         last = i == len(stages) - 1
         stage_dir = run_dir if last else run_dir / f"stage-L{stage.length}"
@@ -165,9 +200,17 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
                 f"{' '.join(stage.overrides)}")
         trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
         if previous is not None:
-            trainer.model.load_state_dict(previous.model.state_dict())
-            trainer.optimizer.load_state_dict(previous.optimizer.state_dict())
-        if previous is not None and entry_check and _solved_on_entry(trainer):
+            _carry_over(previous, trainer)
+        entry, solved = _score_on_entry(trainer) if previous is not None and entry_check else (None, False)
+        if not solved and near_solved is not None and entry is not None and entry >= near_solved.at:
+            # the stage's schedule is its config's: rebuild it at the smaller step (the entry stays logged)
+            trainer, cfg = build_trainer(config_path, overrides + near_solved.overrides(cfg), stage.stopper, answers,
+                                         proto, stage_dir, targets, log)
+            _carry_over(previous, trainer)
+            log(f"-- stage {i + 1}/{len(stages)}: nearly solved on entry ({entry:.4f}), "
+                f"lr {cfg.optimizer.lr:.3g}")
+        stage_lrs.append((stage.length, cfg.optimizer.lr))
+        if solved:
             log(f"-- stage {i + 1}/{len(stages)}: solved on entry, not trained")
             stage_steps.append((stage.length, 0))
         else:
@@ -178,4 +221,10 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         if carry_best and not last:
             stage.stopper.restore(trainer.model)
         previous = trainer
-    return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps, previous)
+    return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps, previous, stage_lrs)
+
+
+def _carry_over(previous: Trainer, trainer: Trainer) -> None:
+    """The weights and AdamW moments a stage receives from the one before."""
+    trainer.model.load_state_dict(previous.model.state_dict())
+    trainer.optimizer.load_state_dict(previous.optimizer.state_dict())

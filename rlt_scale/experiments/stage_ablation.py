@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from rlt_scale.experiments import state_tracking as st
-from rlt_scale.experiments.curriculum import build_trainer, stage_overrides, train_stages
+from rlt_scale.experiments.curriculum import build_trainer, curriculum_options, stage_overrides, train_stages
 from rlt_scale.experiments.early_stopping import EarlyStopper, snapshot
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
 
@@ -104,10 +104,10 @@ def replay_to_entry(proto: dict, record: dict, stage_length: int, work: Path, lo
     if common != record["overrides"]:
         raise SystemExit(f"{record['key']}: the replay's overrides {common} are not the record's {record['overrides']}")
     spec = proto["tasks"][task]
+    options = curriculum_options(spec)
     trained = train_stages(proto["models"][record["model"]], stages[:index], work / "replay", common,
-                           ANSWER_TOKENS[task], proto, st.target_fn(task, record["supervision"]), log,
-                           entry_check=spec.get("curriculum_entry_check", False))
-    if spec.get("curriculum_carry_best", False):  # train_stages treats its last stage as final: hand on the best
+                           ANSWER_TOKENS[task], proto, st.target_fn(task, record["supervision"]), log, **options)
+    if options["carry_best"]:  # train_stages treats its last stage as final: hand on the best
         stages[index - 1].stopper.restore(trained.model)
     return trained, stages, index, common
 

@@ -62,7 +62,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlt_scale.data.prepare import prepare_task
-from rlt_scale.experiments.curriculum import Preempted, Stage, build_trainer, is_baseline, train_stages
+from rlt_scale.experiments.curriculum import (Preempted, Stage, build_trainer, curriculum_options, is_baseline,
+                                              train_stages)
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
 from rlt_scale.experiments.report import markdown_table, plot_accuracy, selection_table
@@ -278,8 +279,7 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     start = time.perf_counter()
     rlt = not is_baseline(config_path)
     trained = train_stages(config_path, stages, run_dir, common, ANSWER_TOKENS[task], proto, targets, log,
-                           entry_check=spec.get("curriculum_entry_check", False),
-                           carry_best=spec.get("curriculum_carry_best", False))
+                           **curriculum_options(spec))
     net = trained.model
     if rlt:
         counts = net.parameter_counts()
@@ -300,7 +300,7 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
         "key": key, "task": task, "model": model, "tag": tag, "seed": seed, "lr": lr,
         "config": config_path, "overrides": common, "later_stage_overrides": list(later) if stages[:-1] else [],
         "train_data": str(train_dir(proto, task)), "supervision": supervision,
-        "curriculum": spec.get("curriculum", []), "stage_steps": trained.stage_steps,
+        "curriculum": spec.get("curriculum", []), "stage_steps": trained.stage_steps, "stage_lrs": trained.stage_lrs,
         "parameters": params, "applied_parameters": applied,
         "train_length": spec["train_length"], "seq_len": seq_len, "forward_flops_per_example": flops,
         "max_steps": max_steps, "steps": trained.steps, "stopped_early": stopper.stopped_early,
