@@ -6,8 +6,8 @@ of the table: 94.3% -> 19.7% validation at 32 operations; docs/RESULTS.md).
 This replays one recorded run of the table up to the entry of one stage
 (the same protocol, seed and overrides, meant to give the same weights and
 AdamW moments; the replay's stage steps, and at the last stage the as-run
-variant's validation scores, are checked against the record's: round three's
-table runs were not reproduced bit for bit, docs/RESULTS.md), then trains that stage from that same entry state once per *optimizer
+variant's validation scores, are checked against the record's), then trains
+that stage from that same entry state once per *optimizer
 variant*, scoring the validation split every ``--every`` steps and measuring
 how far the weights moved.
 
