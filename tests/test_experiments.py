@@ -347,3 +347,29 @@ def test_every_stage_ablation_variant_spells_real_config_keys():
     scaled = ab._scaled_lr(["optimizer.lr=0.003", "optimizer.min_lr=0.0003", "optimizer.lr=0.001"], 0.1)
     assert [o.split("=")[0] for o in scaled] == ["optimizer.lr", "optimizer.min_lr"]  # the last setting of each
     assert [float(o.split("=")[1]) for o in scaled] == pytest.approx([1e-4, 3e-5], rel=1e-12)
+
+
+def test_feedback_probe_reloads_the_record_and_switches_only_the_feedback_off(tmp_path):
+    """``feedback_probe`` scores a recorded run's best weights as the run scored them (the record's validation
+    accuracies, exactly), and with the feedback off: the scores of the same weights with the merge's
+    projection zeroed, an independent way to make ``u = e``. This tiny RLT-1 learns 8-bit parity through its
+    recurrence (running-state loss), so without feedback it falls to chance."""
+    from rlt_scale.experiments import feedback_probe as fp
+
+    proto = tiny_protocol(tmp_path, val_lengths=[16])
+    st.prepare_data(proto, "parity")
+    record, _, _ = st.train_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
+                                extra=TINY_RLT)
+    result = fp.probe(proto, record, [8, 16], log=lambda *a: None)
+    assert result["as_trained"] == record["val_acc"] and result["feedback_scale"] == 1.0
+    net = st.load_best(proto, record, "parity")
+    with torch.no_grad():
+        net.merge.proj.weight.zero_()
+    predict = st._predictor(net, rlt=True)
+    for length in (8, 16):
+        folder = fp.validation_folder(proto, "parity", length)
+        assert result["feedback_off"][str(length)] == st._accuracy(proto, "parity", predict, folder, length)
+    assert result["as_trained"]["8"] >= 0.8 and result["feedback_off"]["8"] <= 0.65, result
+    assert fp.probe(proto, record, [8], log=lambda *a: None)["as_trained"]["8"] == record["val_acc"]["8"]
+    with pytest.raises(SystemExit, match="length 12: no validation set"):
+        fp.validation_folder(proto, "parity", 12)
