@@ -158,6 +158,46 @@ def test_answer_only_loss_trains_exactly_the_answer_at_the_equals_position(tmp_p
     assert st.target_fn("parity", "final") is None  # final supervision uses exactly these targets
 
 
+# ------------------------------------------------------- mixed lengths
+def test_mixed_lengths_pack_whole_programs_of_every_length_each_with_its_answer(tmp_path):
+    """``mixed_lengths``: the training rows are whole programs of lengths 1..L, one document each, packed with
+    no padding; the targets are exactly their answers, at their '=' positions; validation stays one program
+    of length L per sample; the baselines, which read no document ids, are refused by the key's name."""
+    proto = tiny_protocol(tmp_path)
+    proto["tasks"]["parity"]["mixed_lengths"] = True
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    path = st.train_dir(proto, "parity")
+    assert path.name.endswith("-mix")
+    batch = next(iter(StreamingLoader(DataConfig(path=str(path)), batch_size=32, path=str(path)).iter_epoch_once()))
+    assert batch["tokens"].shape == (32, 2 * (24 + 3))
+    targets, valid = next_token_targets(batch)  # the objective of supervision "final"
+    lengths = []
+    for row in range(32):
+        tokens, docs = batch["tokens"][row], batch["doc_ids"][row]
+        answers = []
+        for doc in range(int(docs.max()) + 1):
+            program = tokens[docs == doc]
+            bits = program[1:-2] - ord("0")
+            assert program[0] == tasks.BOS and program[-2] == ord("=") and ((bits == 0) | (bits == 1)).all()
+            lengths.append(len(bits))
+            answers.append(ord("0") + int(bits.sum()) % 2)
+            assert program[-1] == answers[-1]
+        assert targets[row][valid[row]].tolist() == answers
+        assert (tokens[:-1][valid[row]] == ord("=")).all()
+    assert min(lengths) >= 1 and max(lengths) <= 24 and len(set(lengths)) >= 20
+    val = next(iter(StreamingLoader(DataConfig(path=str(path / "eval")), batch_size=8,
+                                    path=str(path / "eval")).iter_epoch_once()))
+    assert val["tokens"].shape == (8, 24 + 3) and next_token_targets(val)[1].sum() == 8
+    with pytest.raises(ConfigError, match="tasks.parity.mixed_lengths"):
+        st.train_one(proto, "parity", "gru", 0, tmp_path / "out", log=lambda *a: None)
+    with pytest.raises(ConfigError, match="packed programs need one of"):
+        tasks.packed("mod5", 4, 8, 30, seed=0)
+    with pytest.raises(ConfigError, match="length >= 6"):
+        tasks.packed("parity", 4, 4, 30, seed=0)
+    again = tasks.packed("parity", 16, 24, 54, seed=3)
+    assert np.array_equal(again.tokens, tasks.packed("parity", 16, 24, 54, seed=3).tokens)
+
+
 # ---------------------------------------------------------------- selection
 def test_choose_lr_takes_the_best_mean_validation_score():
     recs = [{"lr": 1e-3, "selection_score": s} for s in (0.9, 0.5)] + [{"lr": 3e-3, "selection_score": 0.8}]

@@ -110,8 +110,11 @@ def _write_task(taskset: tasks.TaskSet, out: Path, split: str, shard_bytes: int,
     writer = DatasetWriter(out, seq_len=taskset.seq_len, vocab_size=ByteTokenizer.vocab_size,
                            shard_bytes=shard_bytes, meta={**taskset.meta, "split": split})
     mask = taskset.loss_mask
-    for row in tqdm(taskset.tokens, desc=f"prepare {out}", unit="sample", disable=not progress):
-        writer.write(row, None, mask)
+    for i, row in enumerate(tqdm(taskset.tokens, desc=f"prepare {out}", unit="sample", disable=not progress)):
+        if taskset.doc_ids is None:
+            writer.write(row, None, mask)
+        else:
+            writer.write(row, taskset.doc_ids[i], taskset.masks[i])
     return writer.close()
 
 
@@ -122,7 +125,7 @@ def default_carry_buckets(length: int) -> list[int]:
 
 def prepare_task(task: str, out: str | Path, num_samples: int, length: int, seed: int, *,
                  eval_samples: int | None = None, eval_length: int | None = None,
-                 carry_buckets: Sequence[int] | None = None, table_seed: int = 0,
+                 carry_buckets: Sequence[int] | None = None, table_seed: int = 0, packed_row_tokens: int = 0,
                  shard_bytes: int = DEFAULT_SHARD_BYTES, progress: bool = False) -> dict[str, DatasetIndex]:
     """Write a synthetic task (format in :mod:`rlt_scale.data.tasks`); returns the index of each split written.
 
@@ -131,7 +134,10 @@ def prepare_task(task: str, out: str | Path, num_samples: int, length: int, seed
     ``length``, longer tests length generalization); for addition, each carry
     chain ``c`` in ``carry_buckets`` gets ``OUT/eval-carry-{c:02d}`` with
     ``eval_samples`` samples of chain exactly ``c`` at ``eval_length``. Splits use
-    independent seeds derived from ``seed``.
+    independent seeds derived from ``seed``. With ``packed_row_tokens`` the
+    training split holds ``num_samples`` rows of that many tokens of packed
+    programs of lengths ``1..length`` (:func:`rlt_scale.data.tasks.packed`); the
+    evaluation split stays one program of ``eval_length`` per sample.
     """
     out = Path(out)
     eval_samples = max(1, num_samples // 10) if eval_samples is None else eval_samples
@@ -141,8 +147,9 @@ def prepare_task(task: str, out: str | Path, num_samples: int, length: int, seed
     def split_seed(*salt: int) -> int:
         return int(np.random.SeedSequence([seed, *salt]).generate_state(1)[0])
 
-    written = {"train": _write_task(tasks.generate(task, num_samples, length, seed, **options),
-                                    out, "train", shard_bytes, progress)}
+    train = (tasks.packed(task, num_samples, length, packed_row_tokens, seed, **options) if packed_row_tokens
+             else tasks.generate(task, num_samples, length, seed, **options))
+    written = {"train": _write_task(train, out, "train", shard_bytes, progress)}
     if eval_samples > 0:
         written["eval"] = _write_task(tasks.generate(task, eval_samples, eval_length, split_seed(1), **options),
                                       out / "eval", "eval", shard_bytes, progress)

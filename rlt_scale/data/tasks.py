@@ -92,6 +92,10 @@ class TaskSet:
     """Task parameters, recorded in the dataset index."""
     carry_chains: np.ndarray | None = None
     """``[n]`` carry chain of each sample (addition only)."""
+    doc_ids: np.ndarray | None = None
+    """``[n, seq_len + 1]`` document of each token, for rows of packed programs (:func:`packed`); else None."""
+    masks: np.ndarray | None = None
+    """``[n, seq_len + 1]`` the answer tokens of each row of packed programs; else None (:attr:`loss_mask`)."""
 
     @property
     def seq_len(self) -> int:
@@ -99,7 +103,7 @@ class TaskSet:
 
     @property
     def loss_mask(self) -> np.ndarray:
-        """``[seq_len + 1]`` bool: the answer is the only target."""
+        """``[seq_len + 1]`` bool: the answer is the only target (rows of packed programs: see ``masks``)."""
         mask = np.zeros(self.tokens.shape[1], dtype=bool)
         mask[-1] = True
         return mask
@@ -283,3 +287,63 @@ def generate(task: str, num_samples: int, length: int, seed: int, **options) -> 
     if task not in generators:
         raise ConfigError("task", f"expected one of {TASKS}, got {task!r}")
     return generators[task](num_samples, length, seed, **options)
+
+
+PACKABLE = ("parity", "five_state", "s5", "s5_swaps")
+"""Tasks whose program of ``l`` operations is ``l + 3`` tokens (``[BOS] body '=' answer``): :func:`packed` fills
+rows of them exactly."""
+MIN_PACKED_LENGTH = 6
+"""The shortest ``max_length`` :func:`packed` takes: its exact fill needs room to move a program's length."""
+
+
+def packed(task: str, num_rows: int, max_length: int, row_tokens: int, seed: int, **options) -> TaskSet:
+    """Rows of ``row_tokens`` tokens, each a run of whole programs of ``task`` with lengths drawn from
+    ``1..max_length``, one document each; every program's answer is a target.
+
+    Why: trained at one length, a model can learn the answer as a function of that length (parity's RLT-1
+    answers 32-operation programs from its memory, not its recurrence; docs/RESULTS.md). Programs of every
+    length up to ``max_length`` in one batch leave no single length to fit. Each length is drawn uniformly;
+    a row's last program takes the room that is left, and a draw that would leave 1-3 tokens (too few for a
+    program) is moved by that many, so rows hold no padding. ``answers`` is each row's last answer.
+    """
+    if task not in PACKABLE:
+        raise ConfigError("task", f"packed programs need one of {PACKABLE}, got {task!r}")
+    if max_length < MIN_PACKED_LENGTH:
+        raise ConfigError("length", f"packed programs need a length >= {MIN_PACKED_LENGTH}, got {max_length}")
+    if row_tokens < max_length + 3:
+        raise ConfigError("row_tokens", f"expected >= length + 3 = {max_length + 3}, got {row_tokens}")
+    _check(num_rows, max_length)
+    rng = np.random.default_rng([seed, 7])
+    layout: list[list[int]] = []  # per row: the lengths of its programs, in order
+    for _ in range(num_rows):
+        lengths, room = [], row_tokens
+        while room:
+            length = min(int(rng.integers(1, max_length + 1)), room - 3)
+            rest = room - length - 3
+            if 0 < rest < 4:  # too little left for a program: grow this one, or shrink it to leave room for one
+                length = length + rest if length + rest <= max_length else length - (4 - rest)
+            lengths.append(length)
+            room -= length + 3
+        layout.append(lengths)
+    # every program of one length comes from one call of the generator, seeded per length
+    needed = np.bincount([length for row in layout for length in row], minlength=max_length + 1)
+    programs = {length: generate(task, int(count), length, int(np.random.SeedSequence([seed, 8, length])
+                                                                 .generate_state(1)[0]), **options)
+                for length, count in enumerate(needed) if count}
+    taken = dict.fromkeys(programs, 0)
+    tokens = np.empty((num_rows, row_tokens), dtype=np.int64)
+    docs = np.empty_like(tokens)
+    masks = np.zeros(tokens.shape, dtype=bool)
+    answers = np.empty(num_rows, dtype=np.int64)
+    for r, lengths in enumerate(layout):
+        at = 0
+        for doc, length in enumerate(lengths):
+            program = programs[length].tokens[taken[length]]
+            answers[r] = programs[length].answers[taken[length]]
+            taken[length] += 1
+            tokens[r, at:at + length + 3], docs[r, at:at + length + 3] = program, doc
+            masks[r, at + length + 2] = True
+            at += length + 3
+    meta = {"task": task, "packed": True, "max_length": max_length, "row_tokens": row_tokens, "seed": seed,
+            "programs": int(needed.sum()), "length_counts": needed.tolist(), **options}
+    return TaskSet(tokens, answers, meta, doc_ids=docs, masks=masks)

@@ -62,6 +62,8 @@ import torch
 from omegaconf import OmegaConf
 
 from rlt_scale.data.prepare import prepare_task
+from rlt_scale.data.tasks import MIN_PACKED_LENGTH
+from rlt_scale.errors import ConfigError
 from rlt_scale.experiments.curriculum import (Preempted, Stage, build_trainer, curriculum_options, is_baseline,
                                               train_stages)
 from rlt_scale.experiments.early_stopping import EarlyStopper
@@ -100,7 +102,14 @@ def train_dir(proto: dict, task: str, length: Optional[int] = None) -> Path:
     """Training set of ``task`` at ``length`` (default the training length; others are curriculum stages)."""
     spec = proto["tasks"][task]
     length = length or spec["train_length"]
-    return Path(proto["data_root"]) / task / f"train-L{length}-n{spec['train_samples']}-s{proto['train_seed']}"
+    mix = "-mix" if packed_row_tokens(spec, length) else ""
+    return Path(proto["data_root"]) / task / f"train-L{length}-n{spec['train_samples']}-s{proto['train_seed']}{mix}"
+
+
+def packed_row_tokens(spec: dict, length: int) -> int:
+    """With the task's ``mixed_lengths``, a training set of ``length`` >= 6 holds rows of ``2 * (length + 3)``
+    tokens of packed programs of lengths 1..length (:func:`rlt_scale.data.tasks.packed`); else 0."""
+    return 2 * (length + 3) if spec.get("mixed_lengths") and length >= MIN_PACKED_LENGTH else 0
 
 
 def eval_samples(proto: dict, length: int, task: Optional[str] = None) -> int:
@@ -159,7 +168,8 @@ def prepare_data(proto: dict, task: str, log=print) -> None:
         start = time.perf_counter()
         shutil.rmtree(out, ignore_errors=True)
         prepare_task(task, out, spec["train_samples"], length, proto["train_seed"],
-                     eval_samples=proto["val_samples"], carry_buckets=[])
+                     eval_samples=proto["val_samples"], carry_buckets=[],
+                     packed_row_tokens=packed_row_tokens(spec, length))
         log(f"prepared {out} ({spec['train_samples']} + {proto['val_samples']} val) in {time.perf_counter() - start:.1f}s")
     for length in spec.get("val_lengths", []):
         _prepare(task, val_dir(proto, task, length), length, val_seed(length), val_samples(proto, length), log=log)
@@ -273,6 +283,10 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
     stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
+    if is_baseline(config_path) and any(packed_row_tokens(spec, st.length) for st in stages):
+        # their forward passes read no document ids: packed programs would see (or carry state from) each other
+        raise ConfigError(f"tasks.{task}.mixed_lengths", f"packs programs into rows; baseline {model!r} "
+                          "does not separate documents (RLT models only)")
     log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
         f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
     seq_len = seq_len_of(task, spec["train_length"])
