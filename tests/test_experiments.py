@@ -137,6 +137,54 @@ def test_baselines_are_parameter_matched_and_causal(path):
     assert model.forward_flops(34) > 0
 
 
+@pytest.mark.parametrize("kind", ["transformer", "gru"])
+def test_a_baseline_computes_each_packed_document_as_if_alone(kind):
+    """Rows of packed programs (``mixed_lengths``): with document ids, every program's logits equal those of
+    the program alone, in float64 to 1e-12 (summation order only: a packed row tiles its attention and
+    steps its GRU differently); without them the row is one sequence, and the later programs differ."""
+    torch.manual_seed(0)
+    model = build_baseline(BaselineConfig(kind=kind, n_layers=2)).double()
+    lengths = [5, 1, 9, 3]
+    programs = [torch.randint(0, 259, (2, n)) for n in lengths]
+    row = torch.cat(programs, dim=1)
+    doc = torch.cat([torch.full((2, n), i) for i, n in enumerate(lengths)], dim=1)
+    packed, at = model(row, doc), 0
+    for program in programs:
+        alone = model(program)
+        assert torch.allclose(packed[:, at:at + program.shape[1]], alone, rtol=0, atol=1e-12), kind
+        at += program.shape[1]
+    assert torch.equal(model(row, torch.zeros_like(doc)), model(row))  # one document: the plain forward
+    assert not torch.allclose(model(row)[:, 5:], packed[:, 5:], atol=1e-6)
+
+
+def test_the_training_loss_hands_a_baseline_the_document_ids_of_packed_programs():
+    """``sequence_sums`` (the loss of every step and evaluation) on a batch of packed programs equals the sum
+    of each program's loss alone, with as many targets and right answers: the answer-only loss of
+    ``mixed_lengths`` rows (the model in float64; the loss is summed in float32, as every loss is, so the
+    two sums of about 50 agree to 1e-6 relative)."""
+    from rlt_scale.data.tasks import packed
+    from rlt_scale.training.bptt import BPTT
+    from rlt_scale.training.engine import Objective, sequence_sums
+
+    torch.manual_seed(0)
+    model = build_baseline(BaselineConfig(kind="gru", n_layers=2)).double()
+    rows = packed("parity", 3, 8, 22, seed=1)
+    batch = {"tokens": torch.as_tensor(rows.tokens), "doc_ids": torch.as_tensor(rows.doc_ids),
+             "loss_mask": torch.as_tensor(rows.masks)}
+    objective = Objective(answer_tokens=ANSWER_TOKENS["parity"])
+    loss, targets, correct = sequence_sums(model, batch, objective, BPTT(), count_correct=True)
+    alone = [0.0, 0, 0]
+    for r in range(3):
+        for d in range(int(rows.doc_ids[r].max()) + 1):
+            keep = rows.doc_ids[r] == d
+            one = {"tokens": torch.as_tensor(rows.tokens[r][keep])[None],
+                   "loss_mask": torch.as_tensor(rows.masks[r][keep])[None]}
+            sums = sequence_sums(model, one, objective, BPTT(), count_correct=True)
+            alone = [a + float(x) for a, x in zip(alone, sums)]
+    assert int(targets) == alone[1] == int(rows.masks.sum()) and int(correct) == alone[2]
+    assert float(loss) == pytest.approx(alone[0], rel=1e-6, abs=0)
+
+
 def test_the_transformer_window_limits_how_far_back_a_position_sees():
     from rlt_scale.errors import ConfigError
 

@@ -8,7 +8,10 @@
 * :class:`GRUBaseline` - token embedding, ``torch.nn.GRU``, RMSNorm, linear readout.
 
 Both map ``tokens [B, T]`` to logits ``[B, T, V]`` (position t predicts token
-t+1), like the RLT's teacher-forced forward.
+t+1), like the RLT's teacher-forced forward. Given document ids ``doc [B, T]``
+(rows of packed programs), each document is computed as if alone: the
+Transformer's positions restart and its attention stays inside the document,
+the GRU's state restarts from zero.
 
 :func:`build_baseline` makes one; the experiments hand it to the RLT's own
 :class:`~rlt_scale.training.trainer.Trainer` (``Trainer(cfg, model=...)``),
@@ -21,6 +24,7 @@ shape is a :class:`BaselineConfig`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -28,7 +32,7 @@ from torch import nn
 from rlt_scale.config import ModelConfig, ParallelConfig
 from rlt_scale.errors import ConfigError
 from rlt_scale.model.blocks import EncoderBlock
-from rlt_scale.model.layers import RMSNorm, Rotary
+from rlt_scale.model.layers import RMSNorm, Rotary, document_positions
 from rlt_scale.model.state import KV
 from rlt_scale.model.tp import TensorParallel
 from rlt_scale.profiling.flops import causal_pairs
@@ -113,10 +117,13 @@ class CausalTransformer(_Counted, nn.Module):
         self.readout = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         nn.init.normal_(self.readout.weight, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, t = tokens.shape
-        pos = torch.arange(t, device=tokens.device).expand(b, t)
-        doc = torch.zeros_like(pos)
+        if doc is None:
+            pos = torch.arange(t, device=tokens.device).expand(b, t)
+            doc = torch.zeros_like(pos)
+        else:
+            pos = document_positions(doc)
         rope = Rotary.at(pos, self.mcfg.head_dim, self.mcfg.rope_theta, self.tp.dtype)
         x = self.embed(tokens)
         for block in self.blocks:
@@ -147,8 +154,18 @@ class GRUBaseline(_Counted, nn.Module):
         # std init_std would barely move its gates (it then sits at chance on parity).
         nn.init.normal_(self.readout.weight, std=cfg.init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, _ = self.gru(self.embed(tokens))
+    def forward(self, tokens: torch.Tensor, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        if doc is None or bool((doc == doc[:, :1]).all()):
+            h, _ = self.gru(x)
+        else:  # packed documents: one step at a time, the state zeroed (torch's initial state) where one starts
+            state, outs = None, []
+            for t in range(x.shape[1]):
+                if state is not None:
+                    state = state * (doc[:, t] == doc[:, t - 1]).to(state.dtype)[None, :, None]
+                out, state = self.gru(x[:, t:t + 1], state)
+                outs.append(out)
+            h = torch.cat(outs, dim=1)
         return self.readout(self.norm_out(h))
 
     def forward_flops(self, seq_len: int) -> int:

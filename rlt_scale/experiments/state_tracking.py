@@ -63,7 +63,6 @@ from omegaconf import OmegaConf
 
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.data.tasks import MIN_PACKED_LENGTH
-from rlt_scale.errors import ConfigError
 from rlt_scale.experiments.curriculum import (Preempted, Stage, build_trainer, curriculum_options, is_baseline,
                                               train_stages)
 from rlt_scale.experiments.early_stopping import EarlyStopper
@@ -283,10 +282,6 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
     stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
-    if is_baseline(config_path) and any(packed_row_tokens(spec, st.length) for st in stages):
-        # their forward passes read no document ids: packed programs would see (or carry state from) each other
-        raise ConfigError(f"tasks.{task}.mixed_lengths", f"packs programs into rows; baseline {model!r} "
-                          "does not separate documents (RLT models only)")
     log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
         f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
     seq_len = seq_len_of(task, spec["train_length"])

@@ -184,7 +184,8 @@ def sequence_sums(model: torch.nn.Module, batch: dict, objective: Objective, bpt
     """(summed loss, valid targets, correct answers or None) of one batch through a whole model.
 
     The RLT walks the batch under ``bptt``; any other model (the experiments'
-    baselines) maps ``tokens [B, T]`` to logits ``[B, T, V]`` in one call.
+    baselines) maps ``tokens [B, T]`` (and the document ids of a batch that has
+    them, ``[B, T]``) to logits ``[B, T, V]`` in one call.
     """
     targets, valid = objective.targets(batch)
     answers = objective.answer_tokens if count_correct else None
@@ -192,7 +193,8 @@ def sequence_sums(model: torch.nn.Module, batch: dict, objective: Objective, bpt
         out = run_sequence(model, batch["tokens"], batch.get("doc_ids"), batch.get("loss_mask"), bptt,
                            targets=(targets, valid), answer_tokens=answers)
         return out.loss_sum, out.n_targets, out.n_correct
-    logits = model(batch["tokens"][:, :-1])
+    doc = batch.get("doc_ids")
+    logits = model(batch["tokens"][:, :-1]) if doc is None else model(batch["tokens"][:, :-1], doc[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
     loss_sum = torch.where(valid.flatten(), loss, torch.zeros_like(loss)).sum()
     correct = None
