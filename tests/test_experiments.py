@@ -419,5 +419,5 @@ def test_feedback_probe_reloads_the_record_and_switches_only_the_feedback_off(tm
         assert result["feedback_off"][str(length)] == st._accuracy(proto, "parity", predict, folder, length)
     assert result["as_trained"]["8"] >= 0.8 and result["feedback_off"]["8"] <= 0.65, result
     assert fp.probe(proto, record, [8], log=lambda *a: None)["as_trained"]["8"] == record["val_acc"]["8"]
-    with pytest.raises(SystemExit, match="length 12: no validation set"):
-        fp.validation_folder(proto, "parity", 12)
+    longer = fp.validation_folder(proto, "parity", 12, log=lambda *a: None)  # not a selection length yet
+    assert longer == st.val_dir(proto, "parity", 12) / "eval" and (longer / "index.json").exists()

@@ -14,8 +14,9 @@ recurrence falls to chance without it; one learned from the memory does not.
 
 Lengths: the record's training length (its early-stopping split), the
 curriculum's stages (their validation splits) and the protocol's
-``val_lengths``; ``--lengths`` picks some. Only validation programs are
-read, never a test set. Output: one JSON (``--out``).
+``val_lengths``; ``--lengths`` picks any (a longer one scores the validation
+set of that length, seeded apart from every test set). Only validation
+programs are read, never a test set. Output: one JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -32,16 +33,16 @@ from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.stage_ablation import find_record, record_protocol
 
 
-def validation_folder(proto: dict, task: str, length: int) -> Path:
-    """Validation programs of ``length``: a training set's split (training length, curriculum stage), else a
-    ``val_lengths`` set."""
+def validation_folder(proto: dict, task: str, length: int, log=print) -> Path:
+    """Validation programs of ``length``: a training set's split (training length, curriculum stage), else the
+    validation set of that length (seed :func:`~rlt_scale.experiments.state_tracking.val_seed`, prepared here
+    if no selection has used it yet)."""
     spec = proto["tasks"][task]
     if length in (spec["train_length"], *spec.get("curriculum", [])):
         return st.train_dir(proto, task, length) / "eval"
-    if length in spec.get("val_lengths", []):
-        return st.val_dir(proto, task, length) / "eval"
-    raise SystemExit(f"length {length}: no validation set of {task} (training length, curriculum stages and "
-                     f"val_lengths: {[spec['train_length'], *spec.get('curriculum', []), *spec.get('val_lengths', [])]})")
+    folder = st.val_dir(proto, task, length)
+    st._prepare(task, folder, length, st.val_seed(length), st.val_samples(proto, length), log=log)
+    return folder / "eval"
 
 
 def probe(proto: dict, record: dict, lengths: list[int], log=print) -> dict:
@@ -55,7 +56,7 @@ def probe(proto: dict, record: dict, lengths: list[int], log=print) -> dict:
     scale = net.merge.scale
     result = {"key": record["key"], "feedback_scale": float(scale), "as_trained": {}, "feedback_off": {}}
     for length in lengths:
-        folder = validation_folder(proto, task, length)
+        folder = validation_folder(proto, task, length, log)
         result["as_trained"][str(length)] = st._accuracy(proto, task, predict, folder, length)
         with torch.no_grad():
             saved = scale.detach().clone()
