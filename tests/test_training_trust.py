@@ -66,9 +66,9 @@ def test_baseline_training_loss_is_the_mean_over_the_same_valid_targets(parity_d
     batch = _packed_batch(1)
     valid = valid_targets(batch["tokens"], batch["doc_ids"], batch["loss_mask"])
     assert int(valid.sum()) == 28
-    with torch.no_grad():
-        per_target = F.cross_entropy(model(batch["tokens"][:, :-1]).flatten(0, 1), batch["tokens"][:, 1:].flatten(),
-                                     reduction="none")
+    with torch.no_grad():  # the loss hands the baseline the documents, which it computes each alone
+        logits = model(batch["tokens"][:, :-1], batch["doc_ids"][:, :-1])
+        per_target = F.cross_entropy(logits.flatten(0, 1), batch["tokens"][:, 1:].flatten(), reduction="none")
     expected = float(per_target[valid.flatten()].sum()) / 28
     assert math.isclose(trainer.forward_backward([batch]), expected, rel_tol=1e-6)  # float32 sums
 
