@@ -263,6 +263,38 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
     assert len(tested) == 2, "a rerun resumes"
 
 
+def test_a_variant_sweep_chooses_on_recorded_scores_whose_weights_are_gone(tmp_path, monkeypatch):
+    """Records carried from another results directory choose without retraining; the chosen row is then
+    retrained to be tested, and that retrain equals the selection run (the pipeline is deterministic)."""
+    proto = tiny_protocol(tmp_path)
+    proto["variant_sweeps"] = {"wd": {"task": "parity", "model": "gru", "lr": 3e-3,
+                                      "variants": {"wd0": ["optimizer.weight_decay=0.0"],
+                                                   "wd1": ["optimizer.weight_decay=0.1"]}}}
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20", "--select-only"])
+    first = st.Table(tmp_path / "first")
+    st.run_variant_sweep(proto, first, "wd", [0], args, log=lambda *a: None)
+    (tmp_path / "carried").mkdir()
+    carried = st.Table(tmp_path / "carried")
+    for record in first.records:
+        carried.add(dict(record, run_dir=str(tmp_path / "gone" / record["key"])))
+    trained = []
+    real_train_one = st.train_one
+
+    def counting_train_one(*a, **k):
+        trained.append(k.get("tag"))
+        return real_train_one(*a, **k)
+
+    monkeypatch.setattr(st, "train_one", counting_train_one)
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
+    chosen = st.run_variant_sweep(proto, carried, "wd", [0], args, log=lambda *a: None)["gru"]
+    assert chosen == max(first.records, key=lambda r: r["selection_score"])["tag"]
+    assert trained == [chosen], "only the chosen row is trained again, to be tested"
+    row = next(r for r in carried.records if r["phase"] == "test")
+    selected = next(r for r in first.records if r["tag"] == chosen)
+    assert row["best_step"] == selected["best_step"] and row["steps"] == selected["steps"]
+
+
 def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):
     proto = tiny_protocol(tmp_path)
     proto["variant_sweeps"] = {"lr": {
