@@ -562,8 +562,10 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
         for seed in sproto.get("selection_seeds", [0]):
             key = run_key(task, model, seed, variant, supervision, lr)
             record = table.find(key)
-            # A recorded score is enough to choose (the score of the same key in any sweep: the run is the
-            # same). Weights are needed only to test, and the test below retrains a run whose best.pt is gone.
+            # A recorded score is enough to choose: a key names one run in every sweep. Weights are needed only
+            # to test, and the test below retrains a run whose best.pt is gone. That retrain equals the recorded
+            # run on the same code, numpy and CPU; across machines rounding may differ and a chaotic run with it
+            # (docs/RESULTS.md, section 3): start a fresh results directory to compare within one machine.
             if record is None or args.force:
                 record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
                                          tag=variant, lr=lr, **run)
