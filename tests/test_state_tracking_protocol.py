@@ -4,6 +4,7 @@ answer-only loss mask, and a learning-rate choice that reads validation sets onl
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -293,6 +294,25 @@ def test_a_variant_sweep_chooses_on_recorded_scores_whose_weights_are_gone(tmp_p
     row = next(r for r in carried.records if r["phase"] == "test")
     selected = next(r for r in first.records if r["tag"] == chosen)
     assert row["best_step"] == selected["best_step"] and row["steps"] == selected["steps"]
+
+
+def test_the_lr_sweep_retrains_a_recorded_selection_run_whose_weights_are_gone(tmp_path):
+    """Unlike a variant sweep, the lr sweep tests its seed-0 row from the selection run's own weights, so a
+    record without them is trained again rather than reused."""
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20", "--select-only"])
+    first = st.Table(tmp_path / "first")
+    st.run_row(proto, first, "parity", "gru", [0], proto["lr_sweep"], args, log=lambda *a: None)
+    (tmp_path / "carried").mkdir()
+    carried = st.Table(tmp_path / "carried")
+    for record in first.records:
+        carried.add(dict(record, run_dir=str(tmp_path / "gone" / record["key"])))
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
+    st.run_row(proto, carried, "parity", "gru", [0], proto["lr_sweep"], args, log=lambda *a: None)
+    select = [r for r in carried.records if r["phase"] == "select"]
+    assert len(select) == 2 and all(Path(r["run_dir"]).is_relative_to(tmp_path / "carried") for r in select)
+    assert [r["seed"] for r in carried.records if r["phase"] == "test"] == [0]
 
 
 def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):

@@ -465,7 +465,7 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
             for seed in proto.get("selection_seeds", [0]):
                 key = run_key(task, model, seed, args.tag, supervision, lr)
                 record = table.find(key)
-                if record is None or args.force:
+                if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
                     record, net, rlt = train_one(proto, task, model, seed, table.out, lr=lr, **run)
                     record.update(phase="select", quick=args.quick)
                     table.add(record)
