@@ -16,6 +16,7 @@ from rlt_scale.data.config import DataConfig
 from rlt_scale.errors import ConfigError
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
+from rlt_scale.experiments.restarts import Restarts, train_with_restarts
 from rlt_scale.experiments.supervision import target_fn
 from rlt_scale.training.bptt import next_token_targets
 
@@ -333,6 +334,61 @@ def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):
     proto["variant_sweeps"]["lr"]["variants"]["typo"] = {"lrr": 1e-3}
     with pytest.raises(ValueError, match=r"variant_sweeps.typo: unknown key\(s\) \['lrr'\]"):
         st._sweep_variant(proto, proto["variant_sweeps"]["lr"], "typo")
+
+
+# ----------------------------------------------------------------- restarts
+def test_restarts_stop_at_the_target_and_keep_the_best_validation_score():
+    scores = {0: 0.5, 1000: 0.9, 2000: 0.7, 3000: 1.0}
+    trained = []
+
+    def train(run_seed):
+        trained.append(run_seed)
+        return ({"seed": run_seed, "selection_score": scores[run_seed], "val_acc": {"8": scores[run_seed]},
+                 "steps": 10, "train_time_s": 1.5}, f"net{run_seed}", True)
+
+    record, net, _ = train_with_restarts(train, 0, Restarts(count=3, below=0.95), log=lambda *a: None)
+    assert trained == [0, 1000, 2000], "at most `count` trainings"
+    assert (record["seed"], record["trained_seed"], net) == (0, 1000, "net1000"), "the best, not the last"
+    assert (record["steps"], record["train_time_s"]) == (30, 4.5), "the cost of every restart is counted"
+    assert [t["seed"] for t in record["restarts"]] == [0, 1000, 2000]
+    trained.clear()
+    record, _, _ = train_with_restarts(train, 0, Restarts(count=3, below=0.9), log=lambda *a: None)
+    assert trained == [0, 1000] and record["trained_seed"] == 1000, "no restart once the target is reached"
+    trained.clear()
+    assert train_with_restarts(train, 0, Restarts(), log=lambda *a: None)[0] == {
+        "seed": 0, "selection_score": 0.5, "val_acc": {"8": 0.5}, "steps": 10, "train_time_s": 1.5}
+    assert trained == [0], "one training, its record untouched, without restarts"
+    for bad, key in (({"restarts": 0}, "restarts"), ({"restarts": 2.5}, "restarts"),
+                     ({"restart_below": 1.5}, "restart_below"), ({"restart_below": 0}, "restart_below")):
+        with pytest.raises(ValueError, match=f"^{key}: expected"):
+            Restarts.from_protocol(bad)
+    with pytest.raises(ValueError, match="table seeds in"):
+        Restarts(count=2).seeds(1000)
+
+
+def test_a_sweep_with_restarts_validates_every_restart_and_tests_the_best(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    proto["variant_sweeps"] = {"r": {"task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40],
+                                     "protocol": ["tasks.parity.max_steps=20", "restarts=2", "restart_below=1.0"],
+                                     "variants": {"wd0": ["optimizer.weight_decay=0.0"]}}}
+    table = st.Table(tmp_path / "out")
+    args = st.build_parser().parse_args(["--set", "trainer.eval_interval=10"])
+    st.run_variant_sweep(proto, table, "r", [0, 1], args, log=lambda *a: None)
+    rows = {r["seed"]: r for r in table.records if r["phase"] == "test"}
+    select = next(r for r in table.records if r["phase"] == "select")
+    assert select["key"] == "parity-gru-wd0-lr3e-3-s0" and rows[0]["run_dir"] == select["run_dir"]
+    for seed, row in rows.items():
+        # a 20-step GRU does not solve parity at 24 and 40 on validation, so both trainings run
+        assert [t["seed"] for t in row["restarts"]] == [seed, seed + 1000], row["restarts"]
+        best = max(row["restarts"], key=lambda t: t["selection_score"])
+        assert row["trained_seed"] == best["seed"] and row["selection_score"] == best["selection_score"]
+        assert set(row["val_acc"]) == {"24", "40"}, "a test-phase seed is validated when it restarts"
+        assert f"trainer.seed={row['trained_seed']}" in row["overrides"] and Path(row["run_dir"], "best.pt").exists()
+        assert row["steps"] == sum(t["steps"] for t in row["restarts"]) and "acc" in row
+        # the chosen restart's weights score its recorded validation accuracy again
+        net = st.load_best(proto, row, "parity")
+        folder = st.val_dir(proto, "parity", 40) / "eval"
+        assert st._accuracy(proto, "parity", st._predictor(net, False), folder, 40) == row["val_acc"]["40"]
 
 
 def test_a_variant_spells_its_change_for_rlt_and_baseline_configs_apart():

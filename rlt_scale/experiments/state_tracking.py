@@ -68,6 +68,7 @@ from rlt_scale.experiments.curriculum import (Preempted, Stage, build_trainer, c
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
 from rlt_scale.experiments.report import markdown_table, plot_accuracy, selection_table
+from rlt_scale.experiments.restarts import Restarts, train_with_restarts
 from rlt_scale.experiments.supervision import SUPERVISIONS, target_fn
 
 DEFAULT_PROTOCOL = "configs/experiments/state_tracking.yaml"
@@ -323,6 +324,23 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     return record, net, rlt
 
 
+def train_seed(proto: dict, task: str, model: str, seed: int, out: Path, log=print, validate: bool = True,
+               **kw) -> tuple[dict, torch.nn.Module, bool]:
+    """:func:`train_one` for table seed ``seed``, restarted while its validation score is below the protocol's
+    ``restart_below`` (at most ``restarts`` trainings; :mod:`~rlt_scale.experiments.restarts`).
+
+    With restarts every training is scored on the validation sets (they choose), whatever ``validate`` says;
+    the record's key is the table seed's.
+    """
+    restarts = Restarts.from_protocol(proto)
+    validate = validate or restarts.count > 1
+    record, net, rlt = train_with_restarts(
+        lambda run_seed: train_one(proto, task, model, run_seed, out, log=log, validate=validate, **kw),
+        seed, restarts, log)
+    record["key"] = run_key(task, model, seed, kw.get("tag", ""), record["supervision"], kw.get("lr"))
+    return record, net, rlt
+
+
 def test_one(proto: dict, task: str, net: torch.nn.Module, rlt: bool, log=print) -> dict:
     """Score the test sets (final-state accuracy at every ``eval_lengths``; addition: per carry chain)."""
     spec = proto["tasks"][task]
@@ -466,7 +484,7 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
                 key = run_key(task, model, seed, args.tag, supervision, lr)
                 record = table.find(key)
                 if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
-                    record, net, rlt = train_one(proto, task, model, seed, table.out, lr=lr, **run)
+                    record, net, rlt = train_seed(proto, task, model, seed, table.out, lr=lr, **run)
                     record.update(phase="select", quick=args.quick)
                     table.add(record)
                     nets[(lr, seed)] = (net, rlt)
@@ -486,7 +504,7 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
             net, rlt = nets.get((chosen, seed)) or (load_best(proto, reused, task), not is_baseline(reused["config"]))
             record = dict(reused)
         else:
-            record, net, rlt = train_one(proto, task, model, seed, table.out, lr=chosen, validate=False, **run)
+            record, net, rlt = train_seed(proto, task, model, seed, table.out, lr=chosen, validate=False, **run)
         record.update(test_one(proto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
                       lr=chosen, swept_lrs=[lr for lr in lrs if lr is not None])
         table.add(record)
@@ -567,8 +585,8 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
             # run on the same code, numpy and CPU; across machines rounding may differ and a chaotic run with it
             # (docs/RESULTS.md, section 3): start a fresh results directory to compare within one machine.
             if record is None or args.force:
-                record, _, _ = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
-                                         tag=variant, lr=lr, **run)
+                record, _, _ = train_seed(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
+                                          tag=variant, lr=lr, **run)
                 record.update(phase="select", quick=args.quick, variant_sweep=name,
                               protocol_overrides=protocol_set)
                 table.add(record)
@@ -590,8 +608,8 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
             net, rlt = load_best(sproto, reused, task), not is_baseline(reused["config"])
             record = dict(reused)
         else:
-            record, net, rlt = train_one(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
-                                         tag=chosen, validate=False, lr=lr, **run)
+            record, net, rlt = train_seed(sproto, task, model, seed, table.out, extra=[*args.set, *config_set],
+                                          tag=chosen, validate=False, lr=lr, **run)
         record.update(test_one(sproto, task, net, rlt, log), key=key, phase="test", quick=args.quick,
                       variant_sweep=name, chosen_variant=chosen,
                       protocol_overrides=protocol_set,
