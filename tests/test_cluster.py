@@ -527,7 +527,9 @@ def test_partition_reforms_without_lost_node_and_rerun_resumes(node, data, tmp_p
 
 
 def test_requeue_checkpoints_on_every_node_and_resumes(node, data, tmp_path):
-    run, steps = tmp_path / "run", 12
+    # Enough steps after the requeue (at step 3) for Slurm's SIGTERM to arrive before the job ends on its own:
+    # with 12 a CI run under load finished all of them first (a step of this config is ~0.2 s on a fast CPU).
+    run, steps = tmp_path / "run", 100
     with job(tmp_path / "logs", _overrides(data, run, steps, interval=1000)) as j:
         j.until(lambda: len(step_records(run)) >= 3, "three steps")
         assert _slurm("scontrol", "requeue", j.id).returncode == 0
