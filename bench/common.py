@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from rlt_scale.config import ModelConfig, load_config  # noqa: E402
+from rlt_scale.profiling.machine import environment  # noqa: E402
 from rlt_scale.profiling.report import table  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -54,11 +54,6 @@ def set_threads(threads: int) -> int:
 
 def machine() -> dict:
     """What the numbers were measured on, including how busy the machine was."""
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip()
@@ -67,7 +62,7 @@ def machine() -> dict:
     except OSError:
         commit, dirty = "", False
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        **environment(),
         "load_average_1m": os.getloadavg()[0], "git_commit": commit, "model_code_modified": dirty,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "when": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -385,6 +385,7 @@ def test_a_sweep_with_restarts_validates_every_restart_and_tests_the_best(tmp_pa
         assert set(row["val_acc"]) == {"24", "40"}, "a test-phase seed is validated when it restarts"
         assert f"trainer.seed={row['trained_seed']}" in row["overrides"] and Path(row["run_dir"], "best.pt").exists()
         assert row["steps"] == sum(t["steps"] for t in row["restarts"]) and "acc" in row
+        assert row["machine"]["numpy"] == np.__version__ and row["machine"]["cpu"], "what it ran on"
         # the chosen restart's weights score its recorded validation accuracy again
         net = st.load_best(proto, row, "parity")
         folder = st.val_dir(proto, "parity", 40) / "eval"

@@ -29,6 +29,11 @@ The protocol of one table row (task, model, supervision, tag):
 3. **Test.** Each seed of the row is trained at the chosen learning rate (the
    selection runs are reused, not retrained) and scored on the test sets.
 
+With ``restarts`` in the protocol, a seed whose validation score stays below
+``restart_below`` trains again from another seed and keeps its best training
+on validation (:mod:`~rlt_scale.experiments.restarts`), in selection and test
+alike.
+
 **Variant sweeps** (``variant_sweeps`` of the protocol, :func:`run_variant_sweep`)
 choose between config or protocol variants of a row the same way (validation
 only, then one test per seed of the chosen variant's row); ``run_sweeps`` are
@@ -70,6 +75,7 @@ from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_
 from rlt_scale.experiments.report import markdown_table, plot_accuracy, selection_table
 from rlt_scale.experiments.restarts import Restarts, train_with_restarts
 from rlt_scale.experiments.supervision import SUPERVISIONS, target_fn
+from rlt_scale.profiling.machine import environment
 
 DEFAULT_PROTOCOL = "configs/experiments/state_tracking.yaml"
 DEFAULT_OUT = "runs/experiments/state_tracking"
@@ -317,6 +323,7 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
         "best_step": stopper.best_step, "best_val_acc": stopper.best_acc, "val_history": stopper.history,
         "val_acc": val_acc, "selection_score": statistics.mean(val_acc.values()),
         "train_time_s": round(train_time, 1), "run_dir": str(run_dir),
+        "machine": environment(),  # a run reproduces on the same CPU and numpy only (docs/RESULTS.md)
     }
     log(f"== {key}: {trained.steps} steps ({'early stop' if stopper.stopped_early else 'budget'}), best val "
         f"{stopper.best_acc:.4f} at {stopper.best_step}, train {train_time:.0f}s; validation "
