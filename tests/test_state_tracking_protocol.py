@@ -4,6 +4,7 @@ answer-only loss mask, and a learning-rate choice that reads validation sets onl
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,22 @@ def test_validation_and_test_sets_are_disjoint_from_training_and_each_other(tmp_
     assert len(val) == 64 and len(test) == 128  # 2^24 programs: distinct seeds give disjoint sets
     assert not (train & val) and not (train & test) and not (val & test)
     assert len(_rows(st.test_dir(proto, "parity", 40) / "eval")) == 32  # eval_samples_at cuts a long set
+
+
+def test_preparation_waits_for_another_process_preparing_the_same_data_root(tmp_path):
+    """Two runs started together once wrote the same shards at once and crashed on each other's files: a
+    second preparation waits on the data root's lock (flock: a second open file conflicts even in-process)
+    and then finds the sets ready."""
+    proto = tiny_protocol(tmp_path)
+    done = threading.Event()
+    with st.data_lock(proto, "parity"):  # another process is preparing
+        worker = threading.Thread(target=lambda: (st.prepare_data(proto, "parity", log=lambda *a: None), done.set()))
+        worker.start()
+        worker.join(timeout=1.0)
+        assert not done.is_set() and not st.train_dir(proto, "parity").exists(), "it waits, writing nothing"
+    worker.join(timeout=120)
+    assert done.is_set() and (st.train_dir(proto, "parity") / "index.json").exists()
+    assert (st.test_dir(proto, "parity", 40) / "eval" / "index.json").exists()
 
 
 # ------------------------------------------------------- answer-only mask

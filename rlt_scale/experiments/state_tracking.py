@@ -53,6 +53,7 @@ resumes. Tables and plots: :mod:`rlt_scale.experiments.report`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import fcntl
 import json
@@ -164,8 +165,24 @@ def _prepare(task: str, out: Path, length: int, seed: int, samples: int, buckets
     log(f"prepared {out} ({samples} programs, seed {seed}) in {time.perf_counter() - start:.1f}s")
 
 
+@contextlib.contextmanager
+def data_lock(proto: dict, task: str):
+    """Hold ``DATA_ROOT/TASK/.prepare.lock``: processes that share a data root prepare its sets one at a time
+    (two writing one set clobber each other's shards), and a waiting one finds the sets ready."""
+    root = Path(proto["data_root"]) / task
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def prepare_data(proto: dict, task: str, log=print) -> None:
     """Prepare (once) the training sets (curriculum stages included), the validation sets and the test sets."""
+    with data_lock(proto, task):
+        _prepare_data(proto, task, log)
+
+
+def _prepare_data(proto: dict, task: str, log) -> None:
     spec = proto["tasks"][task]
     for length in [*spec.get("curriculum", []), spec["train_length"]]:
         out = train_dir(proto, task, length)
