@@ -163,7 +163,8 @@ def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
                 ys = [float(pub[L].lstrip("~").split("-")[0]) for L in xs]
                 ax.plot(xs, ys, linestyle=":", marker="x", color=line.get_color(), label=f"{label.split(' (')[0]}, published")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("operations per program (trained at the first length)")
+        trained = sorted({r["train_length"] for (t, *_), rs in groups.items() if t == task for r in rs})
+        ax.set_xlabel(f"operations per program (trained at {', '.join(map(str, trained))})")
         ax.set_ylabel("final-state accuracy (%)")
         ax.set_ylim(-2, 102)
         ax.set_title(TASK_LABELS.get(task, task))
