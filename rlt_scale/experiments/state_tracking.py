@@ -166,14 +166,19 @@ def _prepare(task: str, out: Path, length: int, seed: int, samples: int, buckets
 
 
 @contextlib.contextmanager
-def data_lock(proto: dict, task: str):
-    """Hold ``DATA_ROOT/TASK/.prepare.lock``: processes that share a data root prepare its sets one at a time
-    (two writing one set clobber each other's shards), and a waiting one finds the sets ready."""
-    root = Path(proto["data_root"]) / task
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".prepare.lock", "w") as lock:
+def file_lock(path: Path):
+    """Hold an exclusive flock on ``path`` (created with its folder): one process at a time, across processes
+    (and across open files within one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def data_lock(proto: dict, task: str):
+    """``DATA_ROOT/TASK/.prepare.lock``: processes that share a data root prepare its sets one at a time
+    (two writing one set clobber each other's shards), and a waiting one finds the sets ready."""
+    return file_lock(Path(proto["data_root"]) / task / ".prepare.lock")
 
 
 def prepare_data(proto: dict, task: str, log=print) -> None:
@@ -479,8 +484,7 @@ class Table:
 
     def add(self, record: dict) -> None:
         """Append ``record``; a lock makes runs of several processes into one directory safe."""
-        with open(self.out / ".results.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with file_lock(self.out / ".results.lock"):
             self.records = [r for r in load_results(self.path) if r["key"] != record["key"]] + [record]
             save_results(self.path, self.records)
             self.write_markdown()
