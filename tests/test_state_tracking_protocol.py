@@ -146,6 +146,24 @@ def test_validation_and_test_sets_are_disjoint_from_training_and_each_other(tmp_
     assert len(_rows(st.test_dir(proto, "parity", 40) / "eval")) == 32  # eval_samples_at cuts a long set
 
 
+def test_a_later_test_round_has_fresh_programs_and_a_folder_of_its_own(tmp_path):
+    """A recipe chosen after test figures were read is scored on round 1: new seeds, disjoint programs,
+    round 0 untouched."""
+    proto = tiny_protocol(tmp_path)
+    st.prepare_data(proto, "parity", log=lambda *a: None)
+    later = dict(proto, test_round=1)
+    st.prepare_data(later, "parity", log=lambda *a: None)
+    assert st.test_dir(later, "parity", 24) != st.test_dir(proto, "parity", 24)
+    first, second = (_rows(st.test_dir(p, "parity", 24) / "eval") for p in (proto, later))
+    val = _rows(st.val_dir(proto, "parity", 24) / "eval")
+    assert len(second) == 128 and not (first & second) and not (val & second)
+    seeds = {st.test_seed(L, r) for L in (16, 2048, 9999) for r in range(st.MAX_TEST_ROUNDS)}
+    assert len(seeds) == 3 * st.MAX_TEST_ROUNDS and max(seeds) < min(st.val_seed(L) for L in (0, 16, 2048))
+    for bad in (-1, 100, 1.0, True):
+        with pytest.raises(ValueError, match="^test_round: expected"):
+            st.test_dir(dict(proto, test_round=bad), "parity", 24)
+
+
 def test_preparation_waits_for_another_process_preparing_the_same_data_root(tmp_path):
     """Two runs started together once wrote the same shards at once and crashed on each other's files: a
     second preparation waits on the data root's lock (flock: a second open file conflicts even in-process)
@@ -381,6 +399,28 @@ def test_restarts_stop_at_the_target_and_keep_the_best_validation_score():
             Restarts.from_protocol(bad)
     with pytest.raises(ValueError, match="table seeds in"):
         Restarts(count=2).seeds(1000)
+    with pytest.raises(ValueError, match="^restart_score: expected"):
+        Restarts.from_protocol({"restart_score": "max"})
+
+
+def test_restarts_on_the_worst_validation_length_restart_what_the_mean_keeps():
+    """Seed 0 holds at 128 and slips at 512: its mean passes 0.95 and its minimum does not, so ``min`` trains
+    seed 1000, whose mean is lower and whose worst length is better, and keeps it."""
+    val = {0: {"128": 1.0, "512": 0.92}, 1000: {"128": 0.97, "512": 0.96}, 2000: {"128": 1.0, "512": 1.0}}
+    trained = []
+
+    def train(run_seed):
+        trained.append(run_seed)
+        acc = val[run_seed]
+        return ({"seed": run_seed, "selection_score": sum(acc.values()) / 2, "val_acc": acc, "steps": 1,
+                 "train_time_s": 1.0}, None, True)
+
+    assert train_with_restarts(train, 0, Restarts(3, 0.95), log=lambda *a: None)[0]["trained_seed"] == 0
+    assert trained == [0], "the mean, 0.96, passes"
+    trained.clear()
+    record = train_with_restarts(train, 0, Restarts.from_protocol(
+        {"restarts": 2, "restart_below": 0.95, "restart_score": "min"}), log=lambda *a: None)[0]
+    assert trained == [0, 1000] and record["trained_seed"] == 1000, "the better minimum, not the better mean"
 
 
 def test_a_sweep_with_restarts_validates_every_restart_and_tests_the_best(tmp_path):

@@ -14,9 +14,13 @@ each one's seed and scores.
 Protocol keys (top level, or a sweep's ``protocol`` overrides):
 
 * ``restarts`` (default 1: none): at most this many trainings per table seed;
-* ``restart_below`` (default 1.0): restart only while the best selection score
-  so far is below this; a seed whose first training reaches it costs nothing
-  more.
+* ``restart_below`` (default 1.0): restart only while the best score so far
+  is below this; a seed whose first training reaches it costs nothing more;
+* ``restart_score`` (default ``mean``): the score that decides and chooses,
+  ``mean`` the record's ``selection_score`` (the mean validation accuracy over
+  its lengths), ``min`` its worst validation length. A training that holds at
+  128 operations and slips at 512 has a mean near its best length and a
+  minimum at its worst; ``min`` restarts it.
 
 Restart ``r`` of table seed ``s`` trains with seed ``s + 1000 * r`` (both
 ``trainer.seed`` and ``data.seed``), so restart 0 is the plain run and table
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 RESTART_SEED_STRIDE = 1000
+SCORES = {"mean": lambda record: record["selection_score"], "min": lambda record: min(record["val_acc"].values())}
 
 
 @dataclass(frozen=True)
@@ -36,17 +41,27 @@ class Restarts:
     count: int = 1
     """At most this many trainings per table seed (1: no restart)."""
     below: float = 1.0
-    """Restart while the best selection score so far is below this."""
+    """Restart while the best score so far is below this."""
+    score: str = "mean"
+    """``mean``: a record's ``selection_score``; ``min``: its lowest validation accuracy."""
 
     @classmethod
     def from_protocol(cls, proto: dict) -> "Restarts":
-        """The protocol's ``restarts`` and ``restart_below``; bad values are errors that name the key."""
+        """The protocol's ``restarts``, ``restart_below`` and ``restart_score``; bad values are errors that
+        name the key."""
         count, below = proto.get("restarts", 1), proto.get("restart_below", 1.0)
+        score = proto.get("restart_score", "mean")
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"restarts: expected an integer >= 1, got {count!r}")
         if isinstance(below, bool) or not isinstance(below, (int, float)) or not 0.0 < below <= 1.0:
             raise ValueError(f"restart_below: expected a validation accuracy in (0, 1], got {below!r}")
-        return cls(count, float(below))
+        if score not in SCORES:
+            raise ValueError(f"restart_score: expected one of {sorted(SCORES)}, got {score!r}")
+        return cls(count, float(below), score)
+
+    def score_of(self, record: dict) -> float:
+        """The score of one training's record that decides whether to restart and which training is kept."""
+        return SCORES[self.score](record)
 
     def seeds(self, seed: int) -> list[int]:
         """The seeds that table seed ``seed`` may train with, in order."""
@@ -59,8 +74,8 @@ def train_with_restarts(train: Callable[[int], tuple[dict, Any, bool]], seed: in
                         log: Callable = print) -> tuple[dict, Any, bool]:
     """``train(run_seed)`` for table seed ``seed``, restarted while below target; the best by selection score.
 
-    ``train`` returns ``(record, network, is_rlt)`` with the record's ``selection_score`` on validation.
-    Ties keep the earlier restart. The returned record is the best restart's, with ``seed`` the table seed,
+    ``train`` returns ``(record, network, is_rlt)`` with the record's ``selection_score`` and ``val_acc`` on
+    validation; ``restarts.score`` picks the score. Ties keep the earlier restart. The returned record is the best restart's, with ``seed`` the table seed,
     ``trained_seed`` the restart's own, and ``steps``/``train_time_s`` summed over every restart.
     """
     if restarts.count == 1:
@@ -71,12 +86,12 @@ def train_with_restarts(train: Callable[[int], tuple[dict, Any, bool]], seed: in
         record = result[0]
         tried.append({"seed": run_seed, "selection_score": record["selection_score"], "val_acc": record["val_acc"],
                       "steps": record["steps"], "train_time_s": record["train_time_s"]})
-        if best is None or record["selection_score"] > best[0]["selection_score"]:
+        if best is None or restarts.score_of(record) > restarts.score_of(best[0]):
             best = result
-        if best[0]["selection_score"] >= restarts.below:
+        if restarts.score_of(best[0]) >= restarts.below:
             break
         if len(tried) < restarts.count:
-            log(f"== seed {seed}: best validation {best[0]['selection_score']:.4f} < {restarts.below} after "
+            log(f"== seed {seed}: best validation {restarts.score} {restarts.score_of(best[0]):.4f} < {restarts.below} after "
                 f"{len(tried)} training(s); restarting from seed {run_seed + RESTART_SEED_STRIDE}")
     record, net, rlt = best
     record = dict(record, seed=seed, trained_seed=record["seed"], restarts=tried,

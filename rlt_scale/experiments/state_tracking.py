@@ -20,7 +20,8 @@ The protocol of one table row (task, model, supervision, tag):
    validation split (``OUT/eval``, for early stopping) and, for a curriculum,
    the same at each stage's length; **validation sets** at ``val_lengths``
    (seed :func:`val_seed`), used for every choice; **test sets** at
-   ``eval_lengths`` (seed :func:`test_seed`), scored once per row.
+   ``eval_lengths`` (seed :func:`test_seed`), scored once per row; a recipe
+   chosen after test figures were read is scored on a later ``test_round``.
 2. **Selection.** Every model gets the same sweep: each learning rate of
    ``lr_sweep`` is trained on each of ``selection_seeds`` (the best weights by
    early stopping kept), then scored on the validation sets only. The learning
@@ -131,8 +132,23 @@ def eval_samples(proto: dict, length: int, task: Optional[str] = None) -> int:
 
 
 def test_dir(proto: dict, task: str, length: int) -> Path:
-    """The test programs of ``length`` are in ``test_dir/eval`` (addition buckets: ``test_dir/eval-carry-CC``)."""
-    return Path(proto["data_root"]) / task / f"test-L{length}-n{eval_samples(proto, length, task)}"
+    """The test programs of ``length`` are in ``test_dir/eval`` (addition buckets: ``test_dir/eval-carry-CC``);
+    a later ``test_round``'s sets in a folder of their own (``-rN``)."""
+    round_ = test_round(proto)
+    return Path(proto["data_root"]) / task / (f"test-L{length}-n{eval_samples(proto, length, task)}"
+                                              + (f"-r{round_}" if round_ else ""))
+
+
+def test_round(proto: dict) -> int:
+    """The protocol's ``test_round`` (default 0): which generation of test sets a row is scored on.
+
+    A test set is scored once per row; a new recipe chosen after its rows' test
+    figures were read is scored on a later round, programs no earlier choice has seen.
+    """
+    round_ = proto.get("test_round", 0)
+    if isinstance(round_, bool) or not isinstance(round_, int) or not 0 <= round_ < MAX_TEST_ROUNDS:
+        raise ValueError(f"test_round: expected an integer in [0, {MAX_TEST_ROUNDS}), got {round_!r}")
+    return round_
 
 
 def val_samples(proto: dict, length: int) -> int:
@@ -145,9 +161,16 @@ def val_dir(proto: dict, task: str, length: int) -> Path:
     return Path(proto["data_root"]) / task / f"val-L{length}-n{val_samples(proto, length)}"
 
 
-def test_seed(length: int) -> int:
-    """Test sets use generator seeds of their own, never used for training or validation."""
-    return 1_000_003 + length
+MAX_TEST_ROUNDS, TEST_ROUND_STRIDE = 100, 10_000
+
+
+def test_seed(length: int, round_: int = 0) -> int:
+    """Test sets use generator seeds of their own, never used for training or validation: round ``r`` of
+    length ``L`` is ``1_000_003 + 10_000 r + L``, below every validation seed for r < 100 and L < 10,000."""
+    if not 0 <= length < TEST_ROUND_STRIDE or not 0 <= round_ < MAX_TEST_ROUNDS:
+        raise ValueError(f"test sets: length {length} and round {round_} must be in [0, {TEST_ROUND_STRIDE}) "
+                         f"and [0, {MAX_TEST_ROUNDS})")
+    return 1_000_003 + TEST_ROUND_STRIDE * round_ + length
 
 
 def val_seed(length: int) -> int:
@@ -203,8 +226,8 @@ def _prepare_data(proto: dict, task: str, log) -> None:
         _prepare(task, val_dir(proto, task, length), length, val_seed(length), val_samples(proto, length), log=log)
     buckets = spec.get("carry_buckets", []) if task == "addition" else []
     for length in spec["eval_lengths"]:
-        _prepare(task, test_dir(proto, task, length), length, test_seed(length), eval_samples(proto, length, task),
-                 [c for c in buckets if c <= length] or None, log=log)
+        _prepare(task, test_dir(proto, task, length), length, test_seed(length, test_round(proto)),
+                 eval_samples(proto, length, task), [c for c in buckets if c <= length] or None, log=log)
 
 
 # ------------------------------------------------------------------- FLOPs
@@ -386,7 +409,7 @@ def test_one(proto: dict, task: str, net: torch.nn.Module, rlt: bool, log=print)
                                   for c in spec.get("carry_buckets", []) if (folder / f"eval-carry-{c:02d}").exists()}
             line += "  carry " + " ".join(f"{c}:{a:.3f}" for c, a in carry[str(length)].items())
         log(line)
-    result = {"acc": acc, "eval_time_s": round(time.perf_counter() - start, 1)}
+    result = {"acc": acc, "test_round": test_round(proto), "eval_time_s": round(time.perf_counter() - start, 1)}
     if carry:
         result["carry_acc"] = carry
     return result
