@@ -230,6 +230,9 @@ def test_markdown_table_reports_mean_min_max():
     table = st.markdown_table(recs)
     assert "75.0 [50.0, 100.0]" in table and "16: ~100, 32: ~100, 64: ~82, 128: 60.8" in table
     assert "| answer |" in table  # records without a supervision field are the data's own (final) targets
+    assert "test round" not in table
+    later = st.markdown_table([dict(r, test_round=1, tag="t") for r in recs])
+    assert "RLT-1 `t` (test round 1)" in later, "a row scored on fresh test programs says so"
 
 
 def test_a_run_that_overrides_alpha_is_labelled_with_its_own():

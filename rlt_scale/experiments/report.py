@@ -64,6 +64,12 @@ def model_label(model: str, record: dict) -> str:
     return re.sub(r"alpha=[^ ,)]+", f"alpha={alpha}", label) if "alpha=" in label else f"{label}, alpha={alpha}"
 
 
+def round_label(records: list[dict]) -> str:
+    """`` (test round N)`` for rows scored on a later round of test sets (``test_round``: fresh programs)."""
+    rounds = sorted({r.get("test_round", 0) for r in records})
+    return f" (test round {', '.join(map(str, rounds))})" if rounds != [0] else ""
+
+
 def _groups(records: list[dict]) -> dict[tuple[str, str, str, str], list[dict]]:
     groups: dict[tuple[str, str, str, str], list[dict]] = {}
     task_order, model_order = list(TASK_LABELS), list(MODEL_LABELS)
@@ -87,7 +93,7 @@ def markdown_table(records: list[dict]) -> str:
             "published", "fwd MFLOPs/example", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (task, model, tag, supervision), rs in _groups(records).items():
-        label = model_label(model, rs[0]) + (f" `{tag}`" if tag else "")
+        label = model_label(model, rs[0]) + (f" `{tag}`" if tag else "") + round_label(rs)
         pub = published_for(task, model)
         comparable = not tag and rs[0]["train_length"] == 32 and not rs[0].get("quick")
         pub_cell = ", ".join(f"{L}: {v}" for L, v in sorted(pub.items())) if pub and comparable else ""
@@ -154,7 +160,8 @@ def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
                 continue
             lengths = sorted({int(L) for r in rs for L in r["acc"]})
             runs = [[100 * r["acc"][str(L)] for r in rs if str(L) in r["acc"]] for L in lengths]
-            label = model_label(model, rs[0]) + (f" {tag}" if tag else "") + f" ({SUPERVISION_LABELS[supervision]})"
+            label = (model_label(model, rs[0]) + (f" {tag}" if tag else "") + f" ({SUPERVISION_LABELS[supervision]})"
+                     + round_label(rs))
             line, = ax.plot(lengths, [statistics.mean(v) for v in runs], marker="o", label=label)
             ax.fill_between(lengths, [min(v) for v in runs], [max(v) for v in runs], color=line.get_color(), alpha=0.15)
             pub = published_for(task, model)
