@@ -37,7 +37,16 @@ node_ready() {
   [[ "$state" =~ ^(idle|mixed|allocated|completing)$ ]]
 }
 
-if command -v sbatch >/dev/null && scontrol ping 2>/dev/null | grep -q UP && node_ready; then
+# This host's CPUs. Not plain `nproc`: GNU nproc reports OMP_NUM_THREADS when it is set, and a shell set up
+# for training (OMP_NUM_THREADS=1) once wrote a one-CPU node, on which every job asking for two CPUs pends
+# forever (Reason=PartitionConfig).
+CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+
+# Up, and (when the slurm.conf is ours) with this host's CPU count: nothing to do.
+our_conf_is_current() {
+  ! grep -qF "$MARK" "$CONF" 2>/dev/null || [[ "$(sinfo --noheader --node="$(hostname -s)" --format=%c 2>/dev/null | head -1)" == "$CPUS" ]]
+}
+if command -v sbatch >/dev/null && scontrol ping 2>/dev/null | grep -q UP && node_ready && our_conf_is_current; then
   say "Slurm is up ($(sinfo --version))"
   exit 0
 fi
@@ -99,7 +108,7 @@ SlurmdLogFile=/var/log/slurm/slurmd.log
 # to write their checkpoint.
 KillWait=60
 MinJobAge=600
-NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$(nproc) State=UNKNOWN
+NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 )
