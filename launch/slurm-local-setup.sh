@@ -44,7 +44,8 @@ CPUS=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 
 # Up, and (when the slurm.conf is ours) with this host's CPU count: nothing to do.
 our_conf_is_current() {
-  ! grep -qF "$MARK" "$CONF" 2>/dev/null || [[ "$(sinfo --noheader --node="$(hostname -s)" --format=%c 2>/dev/null | head -1)" == "$CPUS" ]]
+  ! grep -qF "$MARK" "$CONF" 2>/dev/null \
+    || [[ "$(sinfo --noheader --node="$(hostname -s)" --format=%c 2>/dev/null | head -1)" == "$CPUS" ]]
 }
 if command -v sbatch >/dev/null && scontrol ping 2>/dev/null | grep -q UP && node_ready && our_conf_is_current; then
   say "Slurm is up ($(sinfo --version))"

@@ -75,8 +75,9 @@ def train_with_restarts(train: Callable[[int], tuple[dict, Any, bool]], seed: in
     """``train(run_seed)`` for table seed ``seed``, restarted while below target; the best by selection score.
 
     ``train`` returns ``(record, network, is_rlt)`` with the record's ``selection_score`` and ``val_acc`` on
-    validation; ``restarts.score`` picks the score. Ties keep the earlier restart. The returned record is the best restart's, with ``seed`` the table seed,
-    ``trained_seed`` the restart's own, and ``steps``/``train_time_s`` summed over every restart.
+    validation; ``restarts.score`` picks the score. Ties keep the earlier restart. The returned record is the
+    best restart's, with ``seed`` the table seed, ``trained_seed`` the restart's own, and
+    ``steps``/``train_time_s`` summed over every restart.
     """
     if restarts.count == 1:
         return train(seed)
@@ -88,10 +89,11 @@ def train_with_restarts(train: Callable[[int], tuple[dict, Any, bool]], seed: in
                       "steps": record["steps"], "train_time_s": record["train_time_s"]})
         if best is None or restarts.score_of(record) > restarts.score_of(best[0]):
             best = result
-        if restarts.score_of(best[0]) >= restarts.below:
+        best_score = restarts.score_of(best[0])
+        if best_score >= restarts.below:
             break
         if len(tried) < restarts.count:
-            log(f"== seed {seed}: best validation {restarts.score} {restarts.score_of(best[0]):.4f} < {restarts.below} after "
+            log(f"== seed {seed}: best validation {restarts.score} {best_score:.4f} < {restarts.below} after "
                 f"{len(tried)} training(s); restarting from seed {run_seed + RESTART_SEED_STRIDE}")
     record, net, rlt = best
     record = dict(record, seed=seed, trained_seed=record["seed"], restarts=tried,
