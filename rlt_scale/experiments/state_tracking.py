@@ -7,6 +7,7 @@ Usage::
     python -m rlt_scale.experiments.state_tracking --tasks parity --supervision final   # answer-only loss
     python -m rlt_scale.experiments.state_tracking --lrs 1e-3           # no sweep: one learning rate
     python -m rlt_scale.experiments.state_tracking --quick              # smoke run of the pipeline, minutes
+    python -m rlt_scale.experiments.state_tracking --budget             # the 2-hour table (rows cut: see the YAML)
     python -m rlt_scale.experiments.state_tracking --tasks parity --models rlt1 --seeds 0 \\
         --set model.window=16 --tag w16                                 # a variant (RLT configs only)
     python -m rlt_scale.experiments.state_tracking --table-only         # rewrite results.md (+ plots)
@@ -84,17 +85,24 @@ DEFAULT_OUT = "runs/experiments/state_tracking"
 
 
 # ------------------------------------------------------------------ protocol
-def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False, overrides: Optional[list[str]] = None) -> dict:
-    """The protocol YAML, its ``quick`` part merged in for ``quick``, then dotted ``key=value`` ``overrides``."""
+PRESETS = ("quick", "budget")
+
+
+def load_protocol(path: str = DEFAULT_PROTOCOL, quick: bool = False, overrides: Optional[list[str]] = None,
+                  budget: bool = False) -> dict:
+    """The protocol YAML, one preset part merged in (``quick``: a smoke run; ``budget``: the 2-hour table),
+    then dotted ``key=value`` ``overrides``."""
+    if quick and budget:
+        raise ValueError("the quick and budget presets exclude each other")
     proto = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    quick_part = proto.pop("quick", {}) or {}
-    if quick:
-        for key, value in quick_part.items():
-            if key == "tasks":
-                for task, fields in value.items():
-                    proto["tasks"].setdefault(task, {}).update(fields)
-            else:
-                proto[key] = value
+    parts = {name: proto.pop(name, {}) or {} for name in PRESETS}
+    preset = parts["quick"] if quick else parts["budget"] if budget else {}
+    for key, value in preset.items():
+        if key == "tasks":
+            for task, fields in value.items():
+                proto["tasks"].setdefault(task, {}).update(fields)
+        else:
+            proto[key] = value
     if overrides:
         merged = OmegaConf.merge(OmegaConf.create(proto), OmegaConf.from_dotlist(list(overrides)))
         proto = OmegaConf.to_container(merged, resolve=True)
@@ -437,6 +445,25 @@ def load_best(proto: dict, record: dict, task: str) -> torch.nn.Module:
     return trainer.model
 
 
+def row_lrs(proto: dict, task: str, model: str, lrs: list[Optional[float]], explicit: bool) -> list[Optional[float]]:
+    """The learning rates a row sweeps: ``lrs``, or the one its protocol fixes in ``row_lr[task][model]``
+    (a choice made on validation by an earlier sweep, e.g. the 2-hour table's) unless ``--lrs`` was given."""
+    fixed = (proto.get("row_lr") or {}).get(task, {}).get(model)
+    return [float(fixed)] if fixed is not None and not explicit else lrs
+
+
+def check_row_lr(proto: dict) -> None:
+    """``row_lr`` names only the protocol's tasks and models, each with a positive learning rate."""
+    for task, per_model in (proto.get("row_lr") or {}).items():
+        if task not in proto["tasks"]:
+            raise ValueError(f"row_lr.{task}: unknown task; the protocol has {list(proto['tasks'])}")
+        for model, lr in per_model.items():
+            if model not in proto["models"]:
+                raise ValueError(f"row_lr.{task}.{model}: unknown model; the protocol has {list(proto['models'])}")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
+                raise ValueError(f"row_lr.{task}.{model}: expected a positive learning rate, got {lr!r}")
+
+
 def choose_lr(selection: list[dict]) -> float:
     """The learning rate of the highest mean selection score over the selection seeds (ties: the first swept)."""
     by_lr: dict[float, list[float]] = {}
@@ -475,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results directory (default {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: short lengths, small data, few steps (default out {DEFAULT_OUT}-quick)")
+    p.add_argument("--budget", action="store_true",
+                   help="the 2-hour table: the protocol's budget part (rows cut, learning rates fixed; see the "
+                        f"YAML) (default out {DEFAULT_OUT}-budget)")
     p.add_argument("--protocol", default=DEFAULT_PROTOCOL)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra config override for every run (e.g. model.window=16); use with --tag")
@@ -671,7 +701,11 @@ def _sweep_model(proto: dict, table: Table, name: str, sweep: dict, model: str, 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    out = Path(args.out + ("-quick" if args.quick and args.out == DEFAULT_OUT else ""))
+    if args.quick and args.budget:
+        print("--quick and --budget exclude each other", file=sys.stderr)
+        return 2
+    preset = "quick" if args.quick else "budget" if args.budget else ""
+    out = Path(args.out + (f"-{preset}" if preset and args.out == DEFAULT_OUT else ""))
     out.mkdir(parents=True, exist_ok=True)
     table = Table(out)
     plots = Path(args.plots) if args.plots else out / "plots"
@@ -680,7 +714,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if table.records:
             print("plots:", *plot_accuracy(table.records, plots))
         return 0
-    proto = load_protocol(args.protocol, args.quick, args.protocol_set)
+    proto = load_protocol(args.protocol, args.quick, args.protocol_set, budget=args.budget)
     tasks = _csv(args.tasks) if args.tasks else proto.get("run_tasks", list(proto["tasks"]))
     seeds = [int(s) for s in _csv(args.seeds)]
     models = ([] if args.models == "none" else _csv(args.models)) if args.models else proto.get("run_models", list(proto["models"]))
@@ -704,6 +738,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if name not in known_sweeps:
             print(f"unknown sweep {name!r}; the protocol {args.protocol} has {list(known_sweeps)}", file=sys.stderr)
             return 2
+    try:
+        check_row_lr(proto)
+    except ValueError as err:
+        print(f"{args.protocol}: {err}", file=sys.stderr)
+        return 2
     torch.set_num_threads(1)
     started = time.perf_counter()
     log = lambda *a: print(*a, flush=True)  # noqa: E731
@@ -711,7 +750,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for task in tasks:
             prepare_data(proto, task, log)
             for model in models:
-                run_row(proto, table, task, model, seeds, lrs, args, log)
+                run_row(proto, table, task, model, seeds, row_lrs(proto, task, model, lrs, bool(args.lrs)), args, log)
         for name in sweeps:
             run_variant_sweep(proto, table, name, seeds, args, log)
     except Preempted as err:
