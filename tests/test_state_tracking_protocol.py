@@ -502,3 +502,69 @@ def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypa
     with pytest.raises(curriculum.Preempted, match="stopped by a signal at step 2"):
         st.run_row(proto, table, "parity", "gru", [0], [3e-3], args, log=lambda *a: None)
     assert table.records == [] and not (tmp_path / "out" / "results.json").exists()
+
+
+# ------------------------------------------------------------ the 2-hour table
+def _recorded_choices(path: str) -> dict[tuple[str, str], float]:
+    """(task, model) -> the lr of the recorded test rows of the running-state table (untagged rows)."""
+    import json
+    records = json.loads(Path(path).read_text())
+    return {(r["task"], r["model"]): r["lr"] for r in records
+            if r["phase"] == "test" and r["supervision"] == "running" and not r["tag"]}
+
+
+def test_the_budget_table_trains_each_row_at_its_recorded_validation_choice_on_a_fresh_test_round():
+    budget, whole = st.load_protocol(budget=True), st.load_protocol()
+    st.check_row_lr(budget)
+    assert "row_lr" not in whole and whole.get("test_round", 0) == 0  # the preset stays out of the whole table
+    round_two = _recorded_choices("docs/results/state_tracking-round2.json")
+    for task in budget["run_tasks"]:
+        for model in budget["run_models"]:
+            lr = budget["row_lr"][task][model]
+            assert lr in whole["lr_sweep"], (task, model)
+            if task in ("parity", "five_state"):  # chosen by round two's equal lr sweep, on validation
+                assert lr == round_two[(task, model)], (task, model)
+    mod5 = whole["variant_sweeps"]["mod5_steps"]  # the 1,500-step rows, one lr for every model
+    assert set(budget["row_lr"]["mod5"].values()) == {mod5["lr"]}
+    assert f"tasks.mod5.max_steps={budget['tasks']['mod5']['max_steps']}" in mod5["variants"]["s1500"]["protocol"]
+    # scored on programs that no recorded row has read
+    import glob
+    import json
+    used = {r.get("test_round", 0) for f in glob.glob("docs/results/state_tracking-*.json")
+            for r in json.loads(Path(f).read_text()) if r["phase"] == "test"}
+    assert budget["test_round"] not in used and budget["test_round"] > max(used)
+
+
+def test_row_lr_is_checked_by_name_and_an_explicit_lr_list_wins():
+    proto = st.load_protocol(budget=True)
+    assert st.row_lrs(proto, "parity", "rlt0", [1e-3, 3e-3], explicit=False) == [3e-4]
+    assert st.row_lrs(proto, "parity", "rlt0", [1e-3], explicit=True) == [1e-3]
+    assert st.row_lrs(proto, "s5", "rlt0", [1e-3, 3e-3], explicit=False) == [1e-3, 3e-3]  # no fixed lr: the sweep
+    proto["row_lr"]["parity"]["rlt9"] = 1e-3
+    with pytest.raises(ValueError, match=r"row_lr\.parity\.rlt9: unknown model"):
+        st.check_row_lr(proto)
+    proto["row_lr"] = {"parity": {"gru": -1}}
+    with pytest.raises(ValueError, match=r"row_lr\.parity\.gru: expected a positive learning rate"):
+        st.check_row_lr(proto)
+    with pytest.raises(ValueError, match="exclude each other"):
+        st.load_protocol(quick=True, budget=True)
+
+
+def test_the_budget_command_trains_at_the_fixed_lr_without_a_sweep_and_scores_its_round(tmp_path):
+    proto = tiny_protocol(tmp_path)
+    proto["budget"] = {"test_round": 1, "row_lr": {"parity": {"gru": 3e-3}}, "run_tasks": ["parity"],
+                       "run_models": ["gru"], "run_sweeps": []}
+    path = tmp_path / "protocol.yaml"
+    from omegaconf import OmegaConf
+    OmegaConf.save(OmegaConf.create(proto), path)
+    out = tmp_path / "out"
+    assert st.main(["--protocol", str(path), "--budget", "--seeds", "0", "--out", str(out),
+                    "--set", "trainer.eval_interval=20"]) == 0
+    records = st.Table(out).records
+    assert [(r["phase"], r["lr"], r["test_round"]) for r in records] == [("test", 3e-3, 1)]
+    assert (tmp_path / "data" / "parity" / "test-L40-n32-r1").exists()  # round 1: a folder of its own
+    # the whole protocol from the same file still sweeps (lr_sweep [1e-3, 3e-3]) and reads round 0
+    assert st.main(["--protocol", str(path), "--seeds", "0", "--out", str(tmp_path / "whole"), "--tasks", "parity",
+                    "--models", "gru", "--sweeps", "none", "--set", "trainer.eval_interval=20"]) == 0
+    whole = st.Table(tmp_path / "whole").records
+    assert sorted(r["phase"] for r in whole) == ["select", "select", "test"] and whole[-1]["test_round"] == 0
