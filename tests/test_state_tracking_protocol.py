@@ -532,7 +532,12 @@ def test_the_budget_table_trains_each_row_at_its_recorded_validation_choice_on_a
     import json
     used = {r.get("test_round", 0) for f in glob.glob("docs/results/state_tracking-*.json") if "budget" not in f
             for r in json.loads(Path(f).read_text()) if r["phase"] == "test"}
-    assert budget["test_round"] not in used and budget["test_round"] > max(used)
+    # ... and that no variant sweep is set to read (a later sweep may take a later round, never the budget's)
+    declared = {int(o.split("=", 1)[1]) for sweep in whole["variant_sweeps"].values()
+                for o in [*(sweep.get("protocol") or []),
+                          *(x for v in sweep["variants"].values() if isinstance(v, dict) for x in v.get("protocol") or [])]
+                if o.startswith("test_round=")}
+    assert budget["test_round"] not in used | declared, sorted(used | declared)
 
 
 def test_row_lr_is_checked_by_name_and_an_explicit_lr_list_wins():
