@@ -22,7 +22,6 @@ programs are read, never a test set. Output: one JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -30,7 +29,7 @@ from typing import Optional
 import torch
 
 from rlt_scale.experiments import state_tracking as st
-from rlt_scale.experiments.stage_ablation import find_record, record_protocol
+from rlt_scale.experiments.stage_ablation import probe_records
 
 
 def validation_folder(proto: dict, task: str, length: int, log=print) -> Path:
@@ -80,18 +79,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
-    out = Path(args.out)
-    results = []
-    for key in args.keys.split(","):
-        record = find_record(Path(args.results), key)
-        proto = record_protocol(st.load_protocol(args.protocol), record)
+
+    def probe_one(proto: dict, record: dict) -> dict:
         spec = proto["tasks"][record["task"]]
         lengths = ([int(x) for x in args.lengths.split(",")] if args.lengths else
                    sorted({*spec.get("curriculum", []), spec["train_length"], *spec.get("val_lengths", [])}))
-        results.append(probe(proto, record, lengths, log))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
-    log(f"results in {out}")
+        return probe(proto, record, lengths, log)
+
+    probe_records(Path(args.results), args.keys, args.protocol, Path(args.out), probe_one, log)
     return 0
 
 

@@ -22,7 +22,6 @@ first wrong operation among those with one. Operation ``k`` is the state after
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, batches_of
 from rlt_scale.experiments.feedback_probe import validation_folder
-from rlt_scale.experiments.stage_ablation import find_record, record_protocol
+from rlt_scale.experiments.stage_ablation import probe_records
 from rlt_scale.experiments.supervision import target_fn
 from rlt_scale.model.rlt import answer_predictions
 from rlt_scale.training.bptt import run_sequence
@@ -105,17 +104,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
-    out, results = Path(args.out), []
-    for key in args.keys.split(","):
-        record = find_record(Path(args.results), key)
+
+    def probe_one(proto: dict, record: dict) -> dict:
         if record.get("supervision") != "running":
-            raise SystemExit(f"{key}: trained with supervision {record.get('supervision')!r}; the probe reads "
-                             "running-state predictions, which only the running loss trains")
-        proto = record_protocol(st.load_protocol(args.protocol), record)
-        results.append(probe(proto, record, [int(x) for x in args.lengths.split(",")], log=log))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
-    log(f"results in {out}")
+            raise SystemExit(f"{record['key']}: trained with supervision {record.get('supervision')!r}; the probe "
+                             "reads running-state predictions, which only the running loss trains")
+        return probe(proto, record, [int(x) for x in args.lengths.split(",")], log=log)
+
+    probe_records(Path(args.results), args.keys, args.protocol, Path(args.out), probe_one, log)
     return 0
 
 

@@ -69,6 +69,19 @@ def record_protocol(proto: dict, record: dict) -> dict:
     return st._sweep_variant(proto, sweep, record["tag"])[2]
 
 
+def probe_records(results: Path, keys: str, protocol: str, out: Path, probe_one, log=print) -> list[dict]:
+    """``probe_one(proto, record)`` for each of the comma-separated ``keys`` of ``results``, under the protocol
+    the record was trained with; the list is written to ``out`` after each key, so a long probe keeps its part."""
+    found = []
+    for key in keys.split(","):
+        record = find_record(results, key)
+        found.append(probe_one(record_protocol(st.load_protocol(protocol), record), record))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(found, indent=1))
+    log(f"results in {out}")
+    return found
+
+
 def _scaled_lr(overrides: list[str], scale: float) -> list[str]:
     """``optimizer.lr`` and ``min_lr`` of the last of ``overrides`` that set them, times ``scale``."""
     found = {}
