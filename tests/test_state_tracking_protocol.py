@@ -515,8 +515,8 @@ def _recorded_choices(path: str) -> dict[tuple[str, str], float]:
 
 def test_the_budget_table_trains_each_row_at_its_recorded_validation_choice_on_a_fresh_test_round():
     budget, whole = st.load_protocol(budget=True), st.load_protocol()
-    st.check_row_lr(budget)
-    assert "row_lr" not in whole and whole.get("test_round", 0) == 0  # the preset stays out of the whole table
+    st.check_rows(budget)
+    assert "row_lr" not in whole and "row_variant" not in whole and whole.get("test_round", 0) == 0  # preset only
     round_two = _recorded_choices("docs/results/state_tracking-round2.json")
     for task in budget["run_tasks"]:
         for model in budget["run_models"]:
@@ -527,6 +527,16 @@ def test_the_budget_table_trains_each_row_at_its_recorded_validation_choice_on_a
     mod5 = whole["variant_sweeps"]["mod5_steps"]  # the 1,500-step rows, one lr for every model
     assert set(budget["row_lr"]["mod5"].values()) == {mod5["lr"]}
     assert f"tasks.mod5.max_steps={budget['tasks']['mod5']['max_steps']}" in mod5["variants"]["s1500"]["protocol"]
+    # mod-5's encoder window: the variant each attention model chose on validation in the recorded sweep, which
+    # trained at the budget's steps and lr
+    window = whole["variant_sweeps"]["mod5_encoder_window"]
+    assert f"tasks.mod5.max_steps={budget['tasks']['mod5']['max_steps']}" in window["protocol"]
+    import json
+    chosen = {r["model"]: f"{r['variant_sweep']}.{r['chosen_variant']}"
+              for r in json.loads(Path("docs/results/state_tracking-round3-session13.json").read_text())
+              if r["phase"] == "test" and r.get("variant_sweep") == "mod5_encoder_window"}
+    assert budget["row_variant"] == {"mod5": chosen} and set(chosen) == set(window["models"])
+    assert {budget["row_lr"]["mod5"][m] for m in chosen} == {window["lr"]}
     # scored on programs that no other recorded row has read (the budget table's own records excepted)
     import glob
     import json
@@ -547,18 +557,25 @@ def test_row_lr_is_checked_by_name_and_an_explicit_lr_list_wins():
     assert st.row_lrs(proto, "s5", "rlt0", [1e-3, 3e-3], explicit=False) == [1e-3, 3e-3]  # no fixed lr: the sweep
     proto["row_lr"]["parity"]["rlt9"] = 1e-3
     with pytest.raises(ValueError, match=r"row_lr\.parity\.rlt9: unknown model"):
-        st.check_row_lr(proto)
+        st.check_rows(proto)
     proto["row_lr"] = {"parity": {"gru": -1}}
     with pytest.raises(ValueError, match=r"row_lr\.parity\.gru: expected a positive learning rate"):
-        st.check_row_lr(proto)
+        st.check_rows(proto)
+    proto["row_lr"] = {}
+    for wrong in ("mod5_encoder_window.s9", "nosweep.s1500", "parity_encoder_window.ew32"):
+        proto["row_variant"] = {"mod5": {"rlt0": wrong}}
+        with pytest.raises(ValueError, match=r"row_variant\.mod5\.rlt0: expected SWEEP\.VARIANT of a mod5 sweep"):
+            st.check_rows(proto)
     with pytest.raises(ValueError, match="exclude each other"):
         st.load_protocol(quick=True, budget=True)
 
 
 def test_the_budget_command_trains_at_the_fixed_lr_without_a_sweep_and_scores_its_round(tmp_path):
     proto = tiny_protocol(tmp_path)
+    proto["variant_sweeps"] = {"parity_width": {"task": "parity", "models": ["gru"], "lr": 3e-3, "variants": {
+        "d24": {"set": ["model.d_model=24"], "baseline_set": ["baseline.d_model=24"], "protocol": ["test_round=7"]}}}}
     proto["budget"] = {"test_round": 1, "row_lr": {"parity": {"gru": 3e-3}}, "run_tasks": ["parity"],
-                       "run_models": ["gru"], "run_sweeps": []}
+                       "run_models": ["gru"], "run_sweeps": [], "row_variant": {"parity": {"gru": "parity_width.d24"}}}
     path = tmp_path / "protocol.yaml"
     from omegaconf import OmegaConf
     OmegaConf.save(OmegaConf.create(proto), path)
@@ -566,7 +583,10 @@ def test_the_budget_command_trains_at_the_fixed_lr_without_a_sweep_and_scores_it
     assert st.main(["--protocol", str(path), "--budget", "--seeds", "0", "--out", str(out),
                     "--set", "trainer.eval_interval=20"]) == 0
     records = st.Table(out).records
-    assert [(r["phase"], r["lr"], r["test_round"]) for r in records] == [("test", 3e-3, 1)]
+    # the row variant's baseline overrides and name, not its protocol (the budget's round 1 holds)
+    assert [(r["phase"], r["lr"], r["test_round"], r["key"]) for r in records] == [
+        ("test", 3e-3, 1, "parity-gru-d24-s0")]
+    assert "baseline.d_model=24" in records[0]["overrides"] and records[0]["parameters"] < 80560
     assert (tmp_path / "data" / "parity" / "test-L40-n32-r1").exists()  # round 1: a folder of its own
     # the whole protocol from the same file still sweeps (lr_sweep [1e-3, 3e-3]) and reads round 0
     assert st.main(["--protocol", str(path), "--seeds", "0", "--out", str(tmp_path / "whole"), "--tasks", "parity",

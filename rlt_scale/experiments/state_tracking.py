@@ -452,16 +452,42 @@ def row_lrs(proto: dict, task: str, model: str, lrs: list[Optional[float]], expl
     return [float(fixed)] if fixed is not None and not explicit else lrs
 
 
-def check_row_lr(proto: dict) -> None:
-    """``row_lr`` names only the protocol's tasks and models, each with a positive learning rate."""
-    for task, per_model in (proto.get("row_lr") or {}).items():
-        if task not in proto["tasks"]:
-            raise ValueError(f"row_lr.{task}: unknown task; the protocol has {list(proto['tasks'])}")
-        for model, lr in per_model.items():
-            if model not in proto["models"]:
-                raise ValueError(f"row_lr.{task}.{model}: unknown model; the protocol has {list(proto['models'])}")
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0:
-                raise ValueError(f"row_lr.{task}.{model}: expected a positive learning rate, got {lr!r}")
+def row_variant(proto: dict, task: str, model: str) -> tuple[list[str], str]:
+    """A row's fixed variant: its model overrides and its tag, or ``([], "")``.
+
+    ``row_variant[task][model]`` names ``SWEEP.VARIANT`` of ``variant_sweeps``:
+    a choice made on validation by that sweep (e.g. the 2-hour table's mod-5
+    encoder window). The row takes the variant's model overrides (``set``, or
+    ``baseline_set`` for a baseline) and its name as tag, not its protocol
+    overrides: the protocol that runs the row (its steps, test round) holds.
+    """
+    name = (proto.get("row_variant") or {}).get(task, {}).get(model)
+    if name is None:
+        return [], ""
+    sweep, variant = name.split(".", 1)
+    spec = proto["variant_sweeps"][sweep]["variants"][variant]
+    overrides = spec.get("baseline_set" if is_baseline(proto["models"][model]) else "set") if isinstance(spec, dict) else spec
+    return list(overrides or []), variant
+
+
+def check_rows(proto: dict) -> None:
+    """``row_lr`` and ``row_variant`` name only the protocol's tasks and models; each lr is positive, each
+    variant one of ``variant_sweeps`` for the same task."""
+    for field in ("row_lr", "row_variant"):
+        for task, per_model in (proto.get(field) or {}).items():
+            if task not in proto["tasks"]:
+                raise ValueError(f"{field}.{task}: unknown task; the protocol has {list(proto['tasks'])}")
+            for model, value in per_model.items():
+                if model not in proto["models"]:
+                    raise ValueError(f"{field}.{task}.{model}: unknown model; the protocol has {list(proto['models'])}")
+                if field == "row_lr" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                    raise ValueError(f"row_lr.{task}.{model}: expected a positive learning rate, got {value!r}")
+                if field == "row_variant":
+                    sweep, _, variant = str(value).partition(".")
+                    spec = (proto.get("variant_sweeps") or {}).get(sweep)
+                    if spec is None or variant not in spec["variants"] or spec["task"] != task:
+                        raise ValueError(f"row_variant.{task}.{model}: expected SWEEP.VARIANT of a {task} sweep in "
+                                         f"variant_sweeps, got {value!r}")
 
 
 def choose_lr(selection: list[dict]) -> float:
@@ -555,14 +581,16 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
             args, log) -> None:
     """Selection over ``lrs`` on the selection seeds (validation only), then every seed at the chosen one, tested."""
     supervision = args.supervision or proto.get("supervision", "final")
-    run = dict(steps=args.steps, extra=args.set, tag=args.tag, log=log, supervision=supervision)
+    variant_set, variant = row_variant(proto, task, model)
+    tag = "-".join(t for t in (args.tag, variant) if t)
+    run = dict(steps=args.steps, extra=[*args.set, *variant_set], tag=tag, log=log, supervision=supervision)
     chosen = lrs[0]
     nets: dict[tuple, tuple] = {}
     if len(lrs) > 1 or args.select_only:
         selection = []
         for lr in lrs:
             for seed in proto.get("selection_seeds", [0]):
-                key = run_key(task, model, seed, args.tag, supervision, lr)
+                key = run_key(task, model, seed, tag, supervision, lr)
                 record = table.find(key)
                 if record is None or args.force or not (Path(record["run_dir"]) / "best.pt").exists():
                     record, net, rlt = train_seed(proto, task, model, seed, table.out, lr=lr, **run)
@@ -576,11 +604,11 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
     if args.select_only:
         return
     for seed in seeds:
-        key = run_key(task, model, seed, args.tag, supervision)
+        key = run_key(task, model, seed, tag, supervision)
         if table.find(key) is not None and not args.force:
             log(f"skip {key}: already in {table.path}")
             continue
-        reused = table.find(run_key(task, model, seed, args.tag, supervision, chosen)) if len(lrs) > 1 else None
+        reused = table.find(run_key(task, model, seed, tag, supervision, chosen)) if len(lrs) > 1 else None
         if reused is not None:
             net, rlt = nets.get((chosen, seed)) or (load_best(proto, reused, task), not is_baseline(reused["config"]))
             record = dict(reused)
@@ -739,7 +767,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"unknown sweep {name!r}; the protocol {args.protocol} has {list(known_sweeps)}", file=sys.stderr)
             return 2
     try:
-        check_row_lr(proto)
+        check_rows(proto)
     except ValueError as err:
         print(f"{args.protocol}: {err}", file=sys.stderr)
         return 2
