@@ -235,6 +235,16 @@ def test_markdown_table_reports_mean_min_max():
     assert "RLT-1 `t` (test round 1)" in later, "a row scored on fresh test programs says so"
 
 
+def test_published_points_are_drawn_once_per_model_beside_its_first_row_tagged_or_not():
+    from rlt_scale.experiments.report import published_lines
+
+    groups = {("mod5", "rlt1_a1", "s1500_ew64", "running"): [], ("mod5", "rlt1_a1", "", "running"): [],
+              ("mod5", "gru", "", "running"): [], ("parity", "rlt0", "", "final"): []}
+    assert published_lines("mod5", groups) == {("mod5", "rlt1_a1", "s1500_ew64", "running"): ([256], [20.0])}
+    assert published_lines("parity", groups) == {("parity", "rlt0", "", "final"): ([16, 32, 64, 128],
+                                                                                   [98.0, 59.0, 49.0, 50.0])}
+
+
 def test_a_run_that_overrides_alpha_is_labelled_with_its_own():
     from rlt_scale.experiments.report import model_label
 

@@ -141,6 +141,20 @@ def selection_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def published_lines(task: str, groups: dict) -> dict[tuple, tuple[list[int], list[float]]]:
+    """Row group -> the published points (lengths, lower end of each figure) to draw beside it: once per model
+    of ``task`` that has published figures, beside its first row, tagged or not."""
+    lines, drawn = {}, set()
+    for key in groups:
+        t, model = key[0], key[1]
+        pub = published_for(t, model)
+        if t == task and pub and model not in drawn:
+            drawn.add(model)
+            xs = sorted(pub)
+            lines[key] = (xs, [float(pub[L].lstrip("~").split("-")[0]) for L in xs])
+    return lines
+
+
 def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
     """One PNG per task: test accuracy against length per model (mean, min-max band), published points drawn in."""
     try:
@@ -155,6 +169,7 @@ def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
     groups = _groups(test_records(records))
     for task in dict.fromkeys(t for t, *_ in groups):
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        published = published_lines(task, groups)
         for i, ((t, model, tag, supervision), rs) in enumerate(groups.items()):
             if t != task:
                 continue
@@ -164,11 +179,9 @@ def plot_accuracy(records: list[dict], out_dir: Path) -> list[Path]:
                      + round_label(rs))
             line, = ax.plot(lengths, [statistics.mean(v) for v in runs], marker="o", label=label)
             ax.fill_between(lengths, [min(v) for v in runs], [max(v) for v in runs], color=line.get_color(), alpha=0.15)
-            pub = published_for(task, model)
-            if pub and not tag:
-                xs = sorted(pub)
-                ys = [float(pub[L].lstrip("~").split("-")[0]) for L in xs]
-                ax.plot(xs, ys, linestyle=":", marker="x", color=line.get_color(), label=f"{label.split(' (')[0]}, published")
+            if (t, model, tag, supervision) in published:
+                xs, ys = published[(t, model, tag, supervision)]
+                ax.plot(xs, ys, linestyle=":", marker="x", color=line.get_color(), label=f"{model_label(model, rs[0]).split(' (')[0]}, published")
         ax.set_xscale("log", base=2)
         trained = sorted({r["train_length"] for (t, *_), rs in groups.items() if t == task for r in rs})
         ax.set_xlabel(f"operations per program (trained at {', '.join(map(str, trained))})")
