@@ -539,7 +539,6 @@ def test_the_budget_table_trains_each_row_at_its_recorded_validation_choice_on_a
     assert {budget["row_lr"]["mod5"][m] for m in chosen} == {window["lr"]}
     # scored on programs that no other recorded row has read (the budget table's own records excepted)
     import glob
-    import json
     used = {r.get("test_round", 0) for f in glob.glob("docs/results/state_tracking-*.json") if "budget" not in f
             for r in json.loads(Path(f).read_text()) if r["phase"] == "test"}
     # ... and that no variant sweep is set to read (a later sweep may take a later round, never the budget's)

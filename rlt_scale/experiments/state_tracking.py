@@ -465,9 +465,7 @@ def row_variant(proto: dict, task: str, model: str) -> tuple[list[str], str]:
     if name is None:
         return [], ""
     sweep, variant = name.split(".", 1)
-    spec = proto["variant_sweeps"][sweep]["variants"][variant]
-    overrides = spec.get("baseline_set" if is_baseline(proto["models"][model]) else "set") if isinstance(spec, dict) else spec
-    return list(overrides or []), variant
+    return _variant_config_set(proto["variant_sweeps"][sweep], variant, is_baseline(proto["models"][model])), variant
 
 
 def check_rows(proto: dict) -> None:
@@ -622,6 +620,12 @@ def run_row(proto: dict, table: Table, task: str, model: str, seeds: list[int], 
 VARIANT_KEYS = {"set", "baseline_set", "protocol", "lr"}
 
 
+def _variant_config_set(sweep: dict, variant: str, baseline: bool) -> list[str]:
+    """A variant's config overrides: a plain list, or its ``set`` (``baseline_set`` for a baseline model)."""
+    spec = sweep["variants"][variant]
+    return list((spec.get("baseline_set" if baseline else "set") if isinstance(spec, dict) else spec) or [])
+
+
 def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = False) -> tuple[list[str], list[str], dict]:
     """One variant of ``sweep``: its config overrides, its protocol overrides and the protocol they give.
 
@@ -634,9 +638,8 @@ def _sweep_variant(proto: dict, sweep: dict, variant: str, baseline: bool = Fals
     unknown = set(spec) - VARIANT_KEYS if isinstance(spec, dict) else set()
     if unknown:
         raise ValueError(f"variant_sweeps.{variant}: unknown key(s) {sorted(unknown)}; a variant may have {sorted(VARIANT_KEYS)}")
-    config_set, own = (list(spec.get("baseline_set" if baseline else "set") or []), list(spec.get("protocol") or [])) \
-        if isinstance(spec, dict) else (list(spec or []), [])
-    overrides = [*(sweep.get("protocol") or []), *own]
+    config_set = _variant_config_set(sweep, variant, baseline)
+    overrides = [*(sweep.get("protocol") or []), *((spec.get("protocol") or []) if isinstance(spec, dict) else [])]
     sproto = copy.deepcopy(proto)
     if "val_lengths" in sweep:
         sproto["tasks"][sweep["task"]]["val_lengths"] = list(sweep["val_lengths"])
