@@ -365,6 +365,21 @@ def test_curriculum_near_solved_stage_trains_at_a_smaller_step(tmp_path):
         curriculum_options({"curriculum_near_solved": 0.9})
 
 
+def test_curriculum_steps_may_give_each_stage_its_own_budget(tmp_path):
+    """``curriculum_steps: [30, 10]``: stage 2 runs its 30 steps, stage 4 its 10 (neither can reach an advance
+    of 1.1), then the training length under early stopping; a list of the wrong length is refused by key."""
+    proto = tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=[30, 10], curriculum_advance=1.1,
+                          max_steps=20)
+    st.prepare_data(proto, "parity")
+    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
+                        extra=["trainer.eval_interval=10"])
+    assert [tuple(s) for s in record["stage_steps"][:2]] == [(2, 30), (4, 10)]
+    assert record["stage_steps"][2][0] == 8 and 0 < record["stage_steps"][2][1] <= 20
+    for bad in ([30], [30, 0], "30"):
+        with pytest.raises(ValueError, match=r"^tasks\.parity\.curriculum_steps: expected"):
+            st.build_stages(tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=bad), "parity", 0, 20)
+
+
 def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_stage(tmp_path):
     """``stage_ablation`` replays a recorded curriculum run to the entry of its last stage: the replay's stage
     steps, the entry score and the as-run stage's validation scores equal the record's. Two earlier stages,

@@ -302,6 +302,24 @@ def _accuracy(proto: dict, task: str, predict, folder: Path, length: int) -> flo
     return evaluate_path(predict, str(folder), ANSWER_TOKENS[task], eval_batch(proto, seq_len_of(task, length))).accuracy
 
 
+def curriculum_steps(spec: dict, task: str, default: int) -> list[int]:
+    """Each curriculum stage's step budget: ``curriculum_steps`` is one number for every stage or a list, one per stage.
+
+    Why a list: the first, shortest stage is where a seed may sit at chance for thousands of steps before it
+    learns (S5's composition table at 4 operations, docs/RESULTS.md section 2), while the later stages,
+    given a model that has learned it, advance within hundreds.
+    """
+    curriculum = spec.get("curriculum", [])
+    steps = spec.get("curriculum_steps", default)
+    if isinstance(steps, int):
+        return [steps] * len(curriculum)
+    if not isinstance(steps, (list, tuple)) or len(steps) != len(curriculum) \
+            or not all(isinstance(n, int) and n > 0 for n in steps):
+        raise ValueError(f"tasks.{task}.curriculum_steps: expected a positive integer or a list of one per "
+                         f"curriculum stage ({len(curriculum)}: {list(curriculum)}), got {steps!r}")
+    return list(steps)
+
+
 def build_stages(proto: dict, task: str, seed: int, max_steps: int, lr: Optional[float] = None,
                  extra: Optional[list[str]] = None) -> tuple[list[str], list[Stage]]:
     """A run's overrides shared by every stage, and its stages: the task's curriculum, then its training length.
@@ -316,9 +334,10 @@ def build_stages(proto: dict, task: str, seed: int, max_steps: int, lr: Optional
     es = proto["early_stopping"]
     stopper = EarlyStopper(target=es["target"], patience=es["patience"], min_delta=es.get("min_delta", 0.0))
     later = (*later_lr, *spec.get("curriculum_overrides", []), *(extra or []))
-    stages = [Stage(length, train_dir(proto, task, length), spec.get("curriculum_steps", max_steps),
+    curriculum = spec.get("curriculum", [])
+    stages = [Stage(length, train_dir(proto, task, length), steps,
                     EarlyStopper(target=spec.get("curriculum_advance", es["target"]), patience=0), later if i else ())
-              for i, length in enumerate(spec.get("curriculum", []))]
+              for i, (length, steps) in enumerate(zip(curriculum, curriculum_steps(spec, task, max_steps)))]
     stages.append(Stage(spec["train_length"], train_dir(proto, task), max_steps, stopper, later if stages else ()))
     return common, stages
 
