@@ -546,7 +546,9 @@ def test_requeue_checkpoints_on_every_node_and_resumes(node, data, tmp_path):
         # would show up twice in the full list checked below
         n_stop = sum(r["step"] <= stopped_at for r in step_records(run))
         t_stop = time.time()
-        # Slurm usually holds a requeued batch job back for about two minutes (Reason=BeginTime); release it now.
+        # Slurm usually holds a requeued batch job back for about two minutes (Reason=BeginTime); release it
+        # as soon as it is PENDING (it passes through COMPLETING and REQUEUED first).
+        j.until(lambda: _job_state(j.id) in {"PENDING", "RUNNING"}, "the requeued job to be pending")
         begin = re.search(r"StartTime=(\S+)", _slurm("scontrol", "show", "job", j.id).stdout)
         if _job_state(j.id) == "PENDING":
             assert _slurm("scontrol", "update", f"JobId={j.id}", "StartTime=now").returncode == 0

@@ -2,7 +2,10 @@
 
 The signal handler only sets a flag; the training loop checks it after each
 optimizer step. All ranks must agree on the step at which they stop (saving
-is collective), so the flag is max-reduced over the world before use.
+is collective), so the signal number is max-reduced over the world before
+use. Every rank then names the signal, also a rank that was not itself
+signalled yet: the agents on different nodes forward Slurm's SIGTERM at
+different moments, and rank 0, which writes the log, may be the later one.
 """
 
 from __future__ import annotations
@@ -35,10 +38,14 @@ class PreemptionFlag:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
 
-    def agreed(self, world_size: int, device: torch.device) -> bool:
-        """True on every rank once any rank has been signalled (collective when world > 1)."""
+    def agreed(self, world_size: int, device: torch.device) -> str:
+        """The signal any rank received ('' if none), the same on every rank (collective when world > 1).
+
+        Two signals on different ranks agree on the larger number (SIGTERM over SIGUSR1).
+        """
         if world_size == 1:
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+            return self.signal_name if self.requested else ""
+        number = signal.Signals[self.signal_name].value if self.requested else 0
+        flag = torch.tensor([float(number)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return signal.Signals(int(flag.item())).name if flag.item() else ""

@@ -291,9 +291,9 @@ class Trainer:
                     stop = any([callback(self, self.step, sums) for callback in self.callbacks])
             if cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0:
                 ckpt = self.save()
-            if preemption.agreed(self.ctx.world_size, self.device):
+            if signal_name := preemption.agreed(self.ctx.world_size, self.device):
                 logger.log({"step": self.step, "note": "preempted"},
-                           f"{preemption.signal_name or 'signal'} received: checkpointing at step {self.step} and exiting")
+                           f"{signal_name} received: checkpointing at step {self.step} and exiting")
                 break
             if stop:
                 logger.log({"step": self.step, "note": "stopped by a callback"})
