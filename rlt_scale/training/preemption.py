@@ -20,9 +20,14 @@ class PreemptionFlag:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self):
-        self.requested = False
-        self.signal_name = ""
+        self.signum = 0
+        """The signal this process received (0: none); with two, the later one."""
         self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process itself has been signalled."""
+        return self.signum != 0
 
     def install(self) -> "PreemptionFlag":
         for sig in self.SIGNALS:
@@ -35,17 +40,16 @@ class PreemptionFlag:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
+        self.signum = signum
 
     def agreed(self, world_size: int, device: torch.device) -> str:
         """The signal any rank received ('' if none), the same on every rank (collective when world > 1).
 
         Two signals on different ranks agree on the larger number (SIGTERM over SIGUSR1).
         """
-        if world_size == 1:
-            return self.signal_name if self.requested else ""
-        number = signal.Signals[self.signal_name].value if self.requested else 0
-        flag = torch.tensor([float(number)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if flag.item() else ""
+        signum = self.signum
+        if world_size > 1:
+            flag = torch.tensor([float(signum)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        return signal.Signals(signum).name if signum else ""
