@@ -11,6 +11,7 @@ import torch
 from rlt_scale.data import tasks
 from rlt_scale.data.prepare import prepare_task
 from rlt_scale.data.tasks import transition_table
+from rlt_scale.experiments import report, runs, task_sets
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.baselines import BaselineConfig, build_baseline, count_parameters
 from rlt_scale.experiments.curriculum import curriculum_options
@@ -227,11 +228,11 @@ def test_markdown_table_reports_mean_min_max():
     recs = [{"key": f"parity-rlt1-s{s}", "task": "parity", "model": "rlt1", "tag": "", "seed": s, "parameters": 79320,
              "train_length": 32, "steps": 100, "train_time_s": 1.0, "forward_flops_per_example": 2e6,
              "acc": {"16": a, "32": a}} for s, a in [(0, 0.5), (1, 1.0), (2, 0.75)]]
-    table = st.markdown_table(recs)
+    table = report.markdown_table(recs)
     assert "75.0 [50.0, 100.0]" in table and "16: ~100, 32: ~100, 64: ~82, 128: 60.8" in table
     assert "| answer |" in table  # records without a supervision field are the data's own (final) targets
     assert "test round" not in table
-    later = st.markdown_table([dict(r, test_round=1, tag="t") for r in recs])
+    later = report.markdown_table([dict(r, test_round=1, tag="t") for r in recs])
     assert "RLT-1 `t` (test round 1)" in later, "a row scored on fresh test programs says so"
 
 
@@ -276,22 +277,22 @@ def tiny_protocol(root, **task) -> dict:
 def test_tiny_rlt_learns_parity_through_the_pipeline(tmp_path):
     """One tiny seed of RLT-1 on 8-bit parity: clearly above chance (50%) at the training length."""
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", extra=TINY_RLT)
+    task_sets.prepare_data(proto, "parity")
+    record = runs.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", extra=TINY_RLT)
     assert record["acc"]["8"] >= 0.8, record
     assert record["steps"] <= 400 and record["best_val_acc"] >= 0.8
     assert 0.0 <= record["acc"]["16"] <= 1.0  # a longer test length runs through the same path
-    st.save_results(tmp_path / "out" / "results.json", [record])
+    runs.save_results(tmp_path / "out" / "results.json", [record])
     assert json.loads((tmp_path / "out" / "results.json").read_text())[0]["key"] == "parity-rlt1-running-s0"
-    assert "RLT-1" in st.markdown_table([record])
+    assert "RLT-1" in report.markdown_table([record])
 
 
 def test_curriculum_trains_short_programs_first(tmp_path):
     """A GRU through a 2 -> 4 -> 8 curriculum: one stage per length, weights carried from stage to stage."""
     proto = tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=60, curriculum_advance=0.9, max_steps=200)
-    st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
-                        extra=["trainer.eval_interval=20"])
+    task_sets.prepare_data(proto, "parity")
+    record = runs.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
+                          extra=["trainer.eval_interval=20"])
     assert [length for length, _ in record["stage_steps"]] == [2, 4, 8]
     assert all(0 < steps <= 60 for _, steps in record["stage_steps"][:2])
     assert record["steps"] == sum(steps for _, steps in record["stage_steps"])
@@ -308,9 +309,9 @@ def test_curriculum_entry_check_skips_a_stage_the_model_already_solves(tmp_path)
     for check in (True, False):
         proto = tiny_protocol(tmp_path / str(check), curriculum=[2, 4], curriculum_steps=80, curriculum_advance=0.0,
                               max_steps=40, curriculum_entry_check=check)
-        st.prepare_data(proto, "parity")
-        record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / str(check) / "out", supervision="final",
-                            extra=["trainer.eval_interval=20"])
+        task_sets.prepare_data(proto, "parity")
+        record = runs.run_one(proto, "parity", "gru", seed=0, out=tmp_path / str(check) / "out", supervision="final",
+                              extra=["trainer.eval_interval=20"])
         steps[check] = record["stage_steps"]
         first_val = json.loads((tmp_path / str(check) / "out" / "runs" / "parity-gru-s0" / "stage-L4" / "val.jsonl")
                                .read_text().splitlines()[0])
@@ -331,9 +332,9 @@ def test_curriculum_carry_best_hands_on_the_best_weights_not_the_last(tmp_path):
         proto = tiny_protocol(root, train_length=16, eval_lengths=[16], curriculum=[16], curriculum_steps=100,
                               curriculum_advance=1.1, max_steps=10, curriculum_entry_check=True,
                               curriculum_carry_best=carry)
-        st.prepare_data(proto, "parity")
-        record = st.run_one(proto, "parity", "gru", seed=0, out=root / "out", supervision="final",
-                            extra=["trainer.eval_interval=10", "optimizer.lr=0.03", "optimizer.warmup_steps=1"])
+        task_sets.prepare_data(proto, "parity")
+        record = runs.run_one(proto, "parity", "gru", seed=0, out=root / "out", supervision="final",
+                              extra=["trainer.eval_interval=10", "optimizer.lr=0.03", "optimizer.warmup_steps=1"])
         stage = [json.loads(line)["val_acc"] for line in
                  (root / "out" / "runs" / "parity-gru-s0" / "stage-L16" / "val.jsonl").read_text().splitlines()]
         got[carry] = (record["val_history"][0], max(stage), stage[-1])
@@ -353,9 +354,9 @@ def test_curriculum_near_solved_stage_trains_at_a_smaller_step(tmp_path):
         proto = tiny_protocol(root, curriculum=[4], curriculum_steps=20, curriculum_advance=1.1, max_steps=20,
                               curriculum_entry_check=True, curriculum_near_solved=at,
                               curriculum_near_solved_lr_scale=0.25)
-        st.prepare_data(proto, "parity")
-        record = st.run_one(proto, "parity", "gru", seed=0, out=root / "out", supervision="final",
-                            extra=["trainer.eval_interval=10", "optimizer.lr=0.02"])
+        task_sets.prepare_data(proto, "parity")
+        record = runs.run_one(proto, "parity", "gru", seed=0, out=root / "out", supervision="final",
+                              extra=["trainer.eval_interval=10", "optimizer.lr=0.02"])
         got[at] = record
     assert got[1.01]["stage_lrs"] == [(4, 0.02), (8, 0.02)]
     assert got[0.0]["stage_lrs"] == [(4, 0.02), (8, pytest.approx(0.005, rel=1e-12))]
@@ -370,14 +371,14 @@ def test_curriculum_steps_may_give_each_stage_its_own_budget(tmp_path):
     of 1.1), then the training length under early stopping; a list of the wrong length is refused by key."""
     proto = tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=[30, 10], curriculum_advance=1.1,
                           max_steps=20)
-    st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
-                        extra=["trainer.eval_interval=10"])
+    task_sets.prepare_data(proto, "parity")
+    record = runs.run_one(proto, "parity", "gru", seed=0, out=tmp_path / "out", supervision="final",
+                          extra=["trainer.eval_interval=10"])
     assert [tuple(s) for s in record["stage_steps"][:2]] == [(2, 30), (4, 10)]
     assert record["stage_steps"][2][0] == 8 and 0 < record["stage_steps"][2][1] <= 20
     for bad in ([30], [30, 0], "30"):
         with pytest.raises(ValueError, match=r"^tasks\.parity\.curriculum_steps: expected"):
-            st.build_stages(tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=bad), "parity", 0, 20)
+            runs.build_stages(tiny_protocol(tmp_path, curriculum=[2, 4], curriculum_steps=bad), "parity", 0, 20)
 
 
 def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_stage(tmp_path):
@@ -389,26 +390,27 @@ def test_stage_ablation_replays_a_run_exactly_to_a_stage_and_varies_only_that_st
 
     proto = tiny_protocol(tmp_path, curriculum=[4, 6], curriculum_steps=40, curriculum_advance=1.1, max_steps=40,
                           curriculum_entry_check=True, curriculum_carry_best=True)
-    st.prepare_data(proto, "parity")
-    record = st.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
-                        extra=[*TINY_RLT, "trainer.eval_interval=10", "optimizer.warmup_steps=5", "optimizer.lr=0.01"])
+    task_sets.prepare_data(proto, "parity")
+    record = runs.run_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
+                          extra=[*TINY_RLT, "trainer.eval_interval=10", "optimizer.warmup_steps=5",
+                                 "optimizer.lr=0.01"])
     first = [json.loads(line)["val_acc"] for line in
              (tmp_path / "out" / "runs" / "parity-rlt1-running-s0" / "stage-L4" / "val.jsonl").read_text().splitlines()]
     assert max(first) > first[-1], first  # its best is not its last: a replay that hands on the last differs
     entry, stages, index, common = ab.replay_to_entry(proto, record, 8, tmp_path / "ablation", log=lambda *a: None)
     assert index == 2 and [list(s) for s in entry.stage_steps] == [list(s) for s in record["stage_steps"][:2]]
-    runs = {name: ab.run_variant(name, proto, record, entry, stages, index, common, steps=20, every=10,
+    variants = {name: ab.run_variant(name, proto, record, entry, stages, index, common, steps=20, every=10,
                                  work=tmp_path / "ablation", log=lambda *a: None)
             for name in ("as_run", "fresh_moments")}
-    as_run = {h["step"]: h["val_acc"] for h in runs["as_run"]["history"]}
-    assert sorted(as_run) == [0, 10, 20] and len(runs["as_run"]["train"]) == 20
+    as_run = {h["step"]: h["val_acc"] for h in variants["as_run"]["history"]}
+    assert sorted(as_run) == [0, 10, 20] and len(variants["as_run"]["train"]) == 20
     assert [step for step, _ in record["val_history"] if step in as_run] == [0, 10, 20]
     assert [as_run[step] for step, _ in record["val_history"] if step in as_run] == \
            [acc for step, acc in record["val_history"] if step in as_run], (as_run, record["val_history"])
-    fresh = runs["fresh_moments"]
+    fresh = variants["fresh_moments"]
     assert fresh["history"][0]["val_acc"] == as_run[0] and fresh["history"][0]["distance"] == 0.0
-    assert fresh["train"][0]["loss"] == runs["as_run"]["train"][0]["loss"], "the same entry weights and batch"
-    assert fresh["train"][-1]["loss"] != runs["as_run"]["train"][-1]["loss"], "and another optimizer state"
+    assert fresh["train"][0]["loss"] == variants["as_run"]["train"][0]["loss"], "the same entry weights and batch"
+    assert fresh["train"][-1]["loss"] != variants["as_run"]["train"][-1]["loss"], "and another optimizer state"
     with pytest.raises(SystemExit, match="stage 4: not a later stage"):
         ab.replay_to_entry(proto, record, 4, tmp_path / "ablation", log=lambda *a: None)
 
@@ -433,19 +435,19 @@ def test_feedback_probe_reloads_the_record_and_switches_only_the_feedback_off(tm
     from rlt_scale.experiments import feedback_probe as fp
 
     proto = tiny_protocol(tmp_path, val_lengths=[16])
-    st.prepare_data(proto, "parity")
-    record, _, _ = st.train_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
-                                extra=TINY_RLT)
+    task_sets.prepare_data(proto, "parity")
+    record, _, _ = runs.train_one(proto, "parity", "rlt1", seed=0, out=tmp_path / "out", supervision="running",
+                                  extra=TINY_RLT)
     result = fp.probe(proto, record, [8, 16], log=lambda *a: None)
     assert result["as_trained"] == record["val_acc"] and result["feedback_scale"] == 1.0
-    net = st.load_best(proto, record, "parity")
+    net = runs.load_best(proto, record, "parity")
     with torch.no_grad():
         net.merge.proj.weight.zero_()
-    predict = st._predictor(net, rlt=True)
+    predict = runs.predictor(net, rlt=True)
     for length in (8, 16):
         folder = fp.validation_folder(proto, "parity", length)
-        assert result["feedback_off"][str(length)] == st._accuracy(proto, "parity", predict, folder, length)
+        assert result["feedback_off"][str(length)] == runs.accuracy(proto, "parity", predict, folder, length)
     assert result["as_trained"]["8"] >= 0.8 and result["feedback_off"]["8"] <= 0.65, result
     assert fp.probe(proto, record, [8], log=lambda *a: None)["as_trained"]["8"] == record["val_acc"]["8"]
     longer = fp.validation_folder(proto, "parity", 12, log=lambda *a: None)  # not a selection length yet
-    assert longer == st.val_dir(proto, "parity", 12) / "eval" and (longer / "index.json").exists()
+    assert longer == task_sets.val_dir(proto, "parity", 12) / "eval" and (longer / "index.json").exists()

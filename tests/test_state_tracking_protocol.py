@@ -15,6 +15,7 @@ from rlt_scale.data import tasks
 from rlt_scale.data.loader import StreamingLoader
 from rlt_scale.data.config import DataConfig
 from rlt_scale.errors import ConfigError
+from rlt_scale.experiments import runs, task_sets, variant_sweeps
 from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
 from rlt_scale.experiments.restarts import Restarts, train_with_restarts
@@ -77,7 +78,7 @@ def _evaluate(text: str) -> int:
 @pytest.mark.parametrize("task, length", [("mod5", 7), ("mod5_brackets", 13), ("mod5_brackets", 32)])
 def test_mod5_answers_match_an_independent_evaluator(task, length):
     data = tasks.generate(task, 300, length, seed=2)
-    assert data.seq_len == st.seq_len_of(task, length)
+    assert data.seq_len == task_sets.seq_len_of(task, length)
     for row, answer in zip(data.tokens, data.answers):
         text = "".join(map(chr, row[1:-2]))
         assert sum(c.isdigit() for c in text) == length + 1 and sum(c in "+-*" for c in text) == length
@@ -136,32 +137,34 @@ def tiny_protocol(root) -> dict:
 
 def test_validation_and_test_sets_are_disjoint_from_training_and_each_other(tmp_path):
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
-    assert len({proto["train_seed"], *(st.val_seed(L) for L in (24, 40)), *(st.test_seed(L) for L in (24, 40))}) == 5
-    train = _rows(st.train_dir(proto, "parity")) | _rows(st.train_dir(proto, "parity") / "eval")
-    val = _rows(st.val_dir(proto, "parity", 24) / "eval")
-    test = _rows(st.test_dir(proto, "parity", 24) / "eval")
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
+    seeds = {proto["train_seed"], *(task_sets.val_seed(L) for L in (24, 40)), *(task_sets.test_seed(L) for L in (24, 40))}
+    assert len(seeds) == 5
+    train = _rows(task_sets.train_dir(proto, "parity")) | _rows(task_sets.train_dir(proto, "parity") / "eval")
+    val = _rows(task_sets.val_dir(proto, "parity", 24) / "eval")
+    test = _rows(task_sets.test_dir(proto, "parity", 24) / "eval")
     assert len(val) == 64 and len(test) == 128  # 2^24 programs: distinct seeds give disjoint sets
     assert not (train & val) and not (train & test) and not (val & test)
-    assert len(_rows(st.test_dir(proto, "parity", 40) / "eval")) == 32  # eval_samples_at cuts a long set
+    assert len(_rows(task_sets.test_dir(proto, "parity", 40) / "eval")) == 32  # eval_samples_at cuts a long set
 
 
 def test_a_later_test_round_has_fresh_programs_and_a_folder_of_its_own(tmp_path):
     """A recipe chosen after test figures were read is scored on round 1: new seeds, disjoint programs,
     round 0 untouched."""
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     later = dict(proto, test_round=1)
-    st.prepare_data(later, "parity", log=lambda *a: None)
-    assert st.test_dir(later, "parity", 24) != st.test_dir(proto, "parity", 24)
-    first, second = (_rows(st.test_dir(p, "parity", 24) / "eval") for p in (proto, later))
-    val = _rows(st.val_dir(proto, "parity", 24) / "eval")
+    task_sets.prepare_data(later, "parity", log=lambda *a: None)
+    assert task_sets.test_dir(later, "parity", 24) != task_sets.test_dir(proto, "parity", 24)
+    first, second = (_rows(task_sets.test_dir(p, "parity", 24) / "eval") for p in (proto, later))
+    val = _rows(task_sets.val_dir(proto, "parity", 24) / "eval")
     assert len(second) == 128 and not (first & second) and not (val & second)
-    seeds = {st.test_seed(L, r) for L in (16, 2048, 9999) for r in range(st.MAX_TEST_ROUNDS)}
-    assert len(seeds) == 3 * st.MAX_TEST_ROUNDS and max(seeds) < min(st.val_seed(L) for L in (0, 16, 2048))
+    seeds = {task_sets.test_seed(L, r) for L in (16, 2048, 9999) for r in range(task_sets.MAX_TEST_ROUNDS)}
+    assert len(seeds) == 3 * task_sets.MAX_TEST_ROUNDS
+    assert max(seeds) < min(task_sets.val_seed(L) for L in (0, 16, 2048))
     for bad in (-1, 100, 1.0, True):
         with pytest.raises(ValueError, match="^test_round: expected"):
-            st.test_dir(dict(proto, test_round=bad), "parity", 24)
+            task_sets.test_dir(dict(proto, test_round=bad), "parity", 24)
 
 
 def test_preparation_waits_for_another_process_preparing_the_same_data_root(tmp_path):
@@ -170,21 +173,22 @@ def test_preparation_waits_for_another_process_preparing_the_same_data_root(tmp_
     and then finds the sets ready."""
     proto = tiny_protocol(tmp_path)
     done = threading.Event()
-    with st.data_lock(proto, "parity"):  # another process is preparing
-        worker = threading.Thread(target=lambda: (st.prepare_data(proto, "parity", log=lambda *a: None), done.set()))
+    with task_sets.data_lock(proto, "parity"):  # another process is preparing
+        worker = threading.Thread(
+            target=lambda: (task_sets.prepare_data(proto, "parity", log=lambda *a: None), done.set()))
         worker.start()
         worker.join(timeout=1.0)
-        assert not done.is_set() and not st.train_dir(proto, "parity").exists(), "it waits, writing nothing"
+        assert not done.is_set() and not task_sets.train_dir(proto, "parity").exists(), "it waits, writing nothing"
     worker.join(timeout=120)
-    assert done.is_set() and (st.train_dir(proto, "parity") / "index.json").exists()
-    assert (st.test_dir(proto, "parity", 40) / "eval" / "index.json").exists()
+    assert done.is_set() and (task_sets.train_dir(proto, "parity") / "index.json").exists()
+    assert (task_sets.test_dir(proto, "parity", 40) / "eval" / "index.json").exists()
 
 
 # ------------------------------------------------------- answer-only mask
 def test_answer_only_loss_trains_exactly_the_answer_at_the_equals_position(tmp_path):
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
-    path = st.train_dir(proto, "parity")
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
+    path = task_sets.train_dir(proto, "parity")
     batch = next(iter(StreamingLoader(DataConfig(path=str(path)), batch_size=32, path=str(path)).iter_epoch_once()))
     targets, valid = next_token_targets(batch)  # the objective of supervision "final"
     assert valid.sum(dim=1).tolist() == [1] * 32, "one target per program"
@@ -192,7 +196,7 @@ def test_answer_only_loss_trains_exactly_the_answer_at_the_equals_position(tmp_p
     assert (batch["tokens"][:, -2] == ord("=")).all(), "which holds the '='"
     bits = batch["tokens"][:, 1:-2] - ord("0")
     assert (targets[:, -1] == ord("0") + bits.sum(dim=1) % 2).all(), "and the target is the parity"
-    assert st.target_fn("parity", "final") is None  # final supervision uses exactly these targets
+    assert target_fn("parity", "final") is None  # final supervision uses exactly these targets
 
 
 # ------------------------------------------------------- mixed lengths
@@ -202,8 +206,8 @@ def test_mixed_lengths_pack_whole_programs_of_every_length_each_with_its_answer(
     of length L per sample."""
     proto = tiny_protocol(tmp_path)
     proto["tasks"]["parity"]["mixed_lengths"] = True
-    st.prepare_data(proto, "parity", log=lambda *a: None)
-    path = st.train_dir(proto, "parity")
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
+    path = task_sets.train_dir(proto, "parity")
     assert path.name.endswith("-mix")
     batch = next(iter(StreamingLoader(DataConfig(path=str(path)), batch_size=32, path=str(path)).iter_epoch_once()))
     assert batch["tokens"].shape == (32, 2 * (24 + 3))
@@ -237,21 +241,21 @@ def test_mixed_lengths_pack_whole_programs_of_every_length_each_with_its_answer(
 def test_choose_lr_takes_the_best_mean_validation_score():
     recs = [{"lr": 1e-3, "selection_score": s} for s in (0.9, 0.5)] + [{"lr": 3e-3, "selection_score": 0.8}]
     assert st.choose_lr(recs) == 3e-3
-    assert st.lr_tag(3e-4) == "lr3e-4" and st.run_key("parity", "gru", 1, lr=1e-3) == "parity-gru-lr1e-3-s1"
+    assert runs.lr_tag(3e-4) == "lr3e-4" and runs.run_key("parity", "gru", 1, lr=1e-3) == "parity-gru-lr1e-3-s1"
 
 
 def test_the_sweep_selects_on_validation_and_tests_each_seed_once(tmp_path, monkeypatch):
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     tested = []
-    real_test_one = st.test_one
+    real_test_one = runs.test_one
 
     def counting_test_one(proto_, task, net, rlt, log=print):
         tested.append(task)
         return real_test_one(proto_, task, net, rlt, log)
 
     monkeypatch.setattr(st, "test_one", counting_test_one)
-    table = st.Table(tmp_path / "out")
+    table = runs.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
     st.run_row(proto, table, "parity", "gru", [0, 1], proto["lr_sweep"], args, log=lambda *a: None)
     select = [r for r in table.records if r["phase"] == "select"]
@@ -264,7 +268,8 @@ def test_the_sweep_selects_on_validation_and_tests_each_seed_once(tmp_path, monk
     reused = next(r for r in select if r["lr"] == rows[0]["lr"])
     assert next(r for r in rows if r["seed"] == 0)["run_dir"] == reused["run_dir"]
     # a rerun resumes: nothing is trained or tested again
-    st.run_row(proto, st.Table(tmp_path / "out"), "parity", "gru", [0, 1], proto["lr_sweep"], args, log=lambda *a: None)
+    st.run_row(proto, runs.Table(tmp_path / "out"), "parity", "gru", [0, 1], proto["lr_sweep"], args,
+               log=lambda *a: None)
     assert len(tested) == 2
     assert "Learning-rate selection" in table.write_markdown()
 
@@ -275,18 +280,18 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
         "task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40], "protocol": ["tasks.parity.max_steps=30"],
         "variants": {"wd0": ["optimizer.weight_decay=0.0"],
                      "wd1": {"set": ["optimizer.weight_decay=0.1"], "protocol": ["tasks.parity.max_steps=20"]}}}}
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     tested = []
-    real_test_one = st.test_one
+    real_test_one = runs.test_one
 
     def counting_test_one(proto_, task, net, rlt, log=print):
         tested.append(task)
         return real_test_one(proto_, task, net, rlt, log)
 
-    monkeypatch.setattr(st, "test_one", counting_test_one)
-    table = st.Table(tmp_path / "out")
+    monkeypatch.setattr(variant_sweeps, "test_one", counting_test_one)
+    table = runs.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
-    chosen = st.run_variant_sweep(proto, table, "wd", [0, 1], args, log=lambda *a: None)["gru"]
+    chosen = variant_sweeps.run_variant_sweep(proto, table, "wd", [0, 1], args, log=lambda *a: None)["gru"]
     select = [r for r in table.records if r["phase"] == "select"]
     rows = [r for r in table.records if r["phase"] == "test"]
     assert sorted(r["tag"] for r in select) == ["wd0", "wd1"] and all("acc" not in r for r in select)
@@ -296,7 +301,7 @@ def test_a_variant_sweep_selects_on_validation_and_tests_only_the_chosen_variant
     assert next(r for r in select if r["tag"] == "wd0")["max_steps"] == 30, "over the sweep's"
     assert len(tested) == 2 and sorted(r["seed"] for r in rows) == [0, 1] and {r["tag"] for r in rows} == {chosen}
     assert all("optimizer.weight_decay" in " ".join(r["overrides"]) for r in rows)
-    st.run_variant_sweep(proto, st.Table(tmp_path / "out"), "wd", [0, 1], args, log=lambda *a: None)
+    variant_sweeps.run_variant_sweep(proto, runs.Table(tmp_path / "out"), "wd", [0, 1], args, log=lambda *a: None)
     assert len(tested) == 2, "a rerun resumes"
 
 
@@ -307,24 +312,24 @@ def test_a_variant_sweep_chooses_on_recorded_scores_whose_weights_are_gone(tmp_p
     proto["variant_sweeps"] = {"wd": {"task": "parity", "model": "gru", "lr": 3e-3,
                                       "variants": {"wd0": ["optimizer.weight_decay=0.0"],
                                                    "wd1": ["optimizer.weight_decay=0.1"]}}}
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20", "--select-only"])
-    first = st.Table(tmp_path / "first")
-    st.run_variant_sweep(proto, first, "wd", [0], args, log=lambda *a: None)
+    first = runs.Table(tmp_path / "first")
+    variant_sweeps.run_variant_sweep(proto, first, "wd", [0], args, log=lambda *a: None)
     (tmp_path / "carried").mkdir()
-    carried = st.Table(tmp_path / "carried")
+    carried = runs.Table(tmp_path / "carried")
     for record in first.records:
         carried.add(dict(record, run_dir=str(tmp_path / "gone" / record["key"])))
     trained = []
-    real_train_one = st.train_one
+    real_train_one = runs.train_one
 
     def counting_train_one(*a, **k):
         trained.append(k.get("tag"))
         return real_train_one(*a, **k)
 
-    monkeypatch.setattr(st, "train_one", counting_train_one)
+    monkeypatch.setattr(runs, "train_one", counting_train_one)
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
-    chosen = st.run_variant_sweep(proto, carried, "wd", [0], args, log=lambda *a: None)["gru"]
+    chosen = variant_sweeps.run_variant_sweep(proto, carried, "wd", [0], args, log=lambda *a: None)["gru"]
     assert chosen == max(first.records, key=lambda r: r["selection_score"])["tag"]
     assert trained == [chosen], "only the chosen row is trained again, to be tested"
     row = next(r for r in carried.records if r["phase"] == "test")
@@ -336,12 +341,12 @@ def test_the_lr_sweep_retrains_a_recorded_selection_run_whose_weights_are_gone(t
     """Unlike a variant sweep, the lr sweep tests its seed-0 row from the selection run's own weights, so a
     record without them is trained again rather than reused."""
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20", "--select-only"])
-    first = st.Table(tmp_path / "first")
+    first = runs.Table(tmp_path / "first")
     st.run_row(proto, first, "parity", "gru", [0], proto["lr_sweep"], args, log=lambda *a: None)
     (tmp_path / "carried").mkdir()
-    carried = st.Table(tmp_path / "carried")
+    carried = runs.Table(tmp_path / "carried")
     for record in first.records:
         carried.add(dict(record, run_dir=str(tmp_path / "gone" / record["key"])))
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
@@ -356,9 +361,9 @@ def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):
     proto["variant_sweeps"] = {"lr": {
         "task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40], "protocol": ["tasks.parity.max_steps=20"],
         "variants": {"peak3e-3": [], "peak1e-2": {"lr": 1e-2}}}}
-    table = st.Table(tmp_path / "out")
+    table = runs.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=20"])
-    chosen = st.run_variant_sweep(proto, table, "lr", [0, 1], args, log=lambda *a: None)["gru"]
+    chosen = variant_sweeps.run_variant_sweep(proto, table, "lr", [0, 1], args, log=lambda *a: None)["gru"]
     select = {r["tag"]: r for r in table.records if r["phase"] == "select"}
     assert select["peak3e-3"]["lr"] == 3e-3 and select["peak1e-2"]["lr"] == 1e-2
     assert "optimizer.lr=0.01" in select["peak1e-2"]["overrides"], "the variant's lr reaches the trainer"
@@ -368,7 +373,7 @@ def test_a_variant_with_its_own_lr_trains_and_is_tested_at_it(tmp_path):
     assert next(r for r in rows if r["seed"] == 0)["run_dir"] == select[chosen]["run_dir"], "seed 0 is reused"
     proto["variant_sweeps"]["lr"]["variants"]["typo"] = {"lrr": 1e-3}
     with pytest.raises(ValueError, match=r"variant_sweeps.typo: unknown key\(s\) \['lrr'\]"):
-        st._sweep_variant(proto, proto["variant_sweeps"]["lr"], "typo")
+        variant_sweeps.sweep_variant(proto, proto["variant_sweeps"]["lr"], "typo")
 
 
 # ----------------------------------------------------------------- restarts
@@ -428,9 +433,9 @@ def test_a_sweep_with_restarts_validates_every_restart_and_tests_the_best(tmp_pa
     proto["variant_sweeps"] = {"r": {"task": "parity", "model": "gru", "lr": 3e-3, "val_lengths": [40],
                                      "protocol": ["tasks.parity.max_steps=20", "restarts=2", "restart_below=1.0"],
                                      "variants": {"wd0": ["optimizer.weight_decay=0.0"]}}}
-    table = st.Table(tmp_path / "out")
+    table = runs.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=10"])
-    st.run_variant_sweep(proto, table, "r", [0, 1], args, log=lambda *a: None)
+    variant_sweeps.run_variant_sweep(proto, table, "r", [0, 1], args, log=lambda *a: None)
     rows = {r["seed"]: r for r in table.records if r["phase"] == "test"}
     select = next(r for r in table.records if r["phase"] == "select")
     assert select["key"] == "parity-gru-wd0-lr3e-3-s0" and rows[0]["run_dir"] == select["run_dir"]
@@ -444,35 +449,35 @@ def test_a_sweep_with_restarts_validates_every_restart_and_tests_the_best(tmp_pa
         assert row["steps"] == sum(t["steps"] for t in row["restarts"]) and "acc" in row
         assert row["machine"]["numpy"] == np.__version__ and row["machine"]["cpu"], "what it ran on"
         # the chosen restart's weights score its recorded validation accuracy again
-        net = st.load_best(proto, row, "parity")
-        folder = st.val_dir(proto, "parity", 40) / "eval"
-        assert st._accuracy(proto, "parity", st._predictor(net, False), folder, 40) == row["val_acc"]["40"]
+        net = runs.load_best(proto, row, "parity")
+        folder = task_sets.val_dir(proto, "parity", 40) / "eval"
+        assert runs.accuracy(proto, "parity", runs.predictor(net, False), folder, 40) == row["val_acc"]["40"]
 
 
 def test_a_variant_spells_its_change_for_rlt_and_baseline_configs_apart():
     proto = st.load_protocol()
     sweep = proto["variant_sweeps"]["parity_final_ew"]
-    assert st._sweep_variant(proto, sweep, "fine_ew32")[0] == ["model.encoder_window=32"]
-    assert st._sweep_variant(proto, sweep, "fine_ew32", baseline=True)[0] == ["baseline.encoder_window=32"]
+    assert variant_sweeps.sweep_variant(proto, sweep, "fine_ew32")[0] == ["model.encoder_window=32"]
+    assert variant_sweeps.sweep_variant(proto, sweep, "fine_ew32", baseline=True)[0] == ["baseline.encoder_window=32"]
     # its 'fine' variant is the table's own row (the same key, so the selection run is reused): same
     # overrides, same protocol
-    table_row = st._sweep_variant(proto, proto["variant_sweeps"]["parity_final"], "fine")
-    assert st._sweep_variant(proto, sweep, "fine") == table_row
-    assert st._sweep_variant(proto, sweep, "fine", baseline=True) == table_row
+    table_row = variant_sweeps.sweep_variant(proto, proto["variant_sweeps"]["parity_final"], "fine")
+    assert variant_sweeps.sweep_variant(proto, sweep, "fine") == table_row
+    assert variant_sweeps.sweep_variant(proto, sweep, "fine", baseline=True) == table_row
 
 
 def test_a_baseline_override_reaches_the_baseline_and_its_reload(tmp_path):
     proto = tiny_protocol(tmp_path)
     proto["tasks"]["parity"]["max_steps"] = 2
-    st.prepare_data(proto, "parity", log=lambda *a: None)
-    record, net, rlt = st.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="w4",
-                                    extra=["baseline.encoder_window=4"], log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
+    record, net, rlt = runs.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="w4",
+                                      extra=["baseline.encoder_window=4"], log=lambda *a: None)
     assert not rlt and [b.window for b in net.blocks] == [4, 4]
-    reloaded = st.load_best(proto, record, "parity")  # rebuilt from the record's overrides
+    reloaded = runs.load_best(proto, record, "parity")  # rebuilt from the record's overrides
     assert [b.window for b in reloaded.blocks] == [4, 4]
     with pytest.raises(ConfigError, match="baseline.windw"):
-        st.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="bad",
-                     extra=["baseline.windw=4"], log=lambda *a: None)
+        runs.train_one(proto, "parity", "transformer", 0, tmp_path / "out", tag="bad",
+                       extra=["baseline.windw=4"], log=lambda *a: None)
 
 
 def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypatch):
@@ -484,7 +489,7 @@ def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypa
     from rlt_scale.experiments import curriculum
 
     proto = tiny_protocol(tmp_path)
-    st.prepare_data(proto, "parity", log=lambda *a: None)
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
     real_build = curriculum.build_trainer
 
     def sigterm(trainer, step, sums) -> bool:
@@ -497,7 +502,7 @@ def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypa
         return trainer, cfg
 
     monkeypatch.setattr(curriculum, "build_trainer", build_and_signal)
-    table = st.Table(tmp_path / "out")
+    table = runs.Table(tmp_path / "out")
     args = st.build_parser().parse_args(["--set", "trainer.eval_interval=2"])
     with pytest.raises(curriculum.Preempted, match="stopped by a signal at step 2"):
         st.run_row(proto, table, "parity", "gru", [0], [3e-3], args, log=lambda *a: None)
@@ -581,7 +586,7 @@ def test_the_budget_command_trains_at_the_fixed_lr_without_a_sweep_and_scores_it
     out = tmp_path / "out"
     assert st.main(["--protocol", str(path), "--budget", "--seeds", "0", "--out", str(out),
                     "--set", "trainer.eval_interval=20"]) == 0
-    records = st.Table(out).records
+    records = runs.Table(out).records
     # the row variant's baseline overrides and name, not its protocol (the budget's round 1 holds)
     assert [(r["phase"], r["lr"], r["test_round"], r["key"]) for r in records] == [
         ("test", 3e-3, 1, "parity-gru-d24-s0")]
@@ -590,5 +595,5 @@ def test_the_budget_command_trains_at_the_fixed_lr_without_a_sweep_and_scores_it
     # the whole protocol from the same file still sweeps (lr_sweep [1e-3, 3e-3]) and reads round 0
     assert st.main(["--protocol", str(path), "--seeds", "0", "--out", str(tmp_path / "whole"), "--tasks", "parity",
                     "--models", "gru", "--sweeps", "none", "--set", "trainer.eval_interval=20"]) == 0
-    whole = st.Table(tmp_path / "whole").records
+    whole = runs.Table(tmp_path / "whole").records
     assert sorted(r["phase"] for r in whole) == ["select", "select", "test"] and whole[-1]["test_round"] == 0

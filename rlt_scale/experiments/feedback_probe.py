@@ -28,8 +28,10 @@ from typing import Optional
 
 import torch
 
-from rlt_scale.experiments import state_tracking as st
+from rlt_scale.experiments.runs import accuracy, load_best, predictor
 from rlt_scale.experiments.stage_ablation import probe_records
+from rlt_scale.experiments.state_tracking import DEFAULT_PROTOCOL
+from rlt_scale.experiments.task_sets import prepare_set, train_dir, val_dir, val_samples, val_seed
 
 
 def validation_folder(proto: dict, task: str, length: int, log=print) -> Path:
@@ -38,30 +40,30 @@ def validation_folder(proto: dict, task: str, length: int, log=print) -> Path:
     if no selection has used it yet)."""
     spec = proto["tasks"][task]
     if length in (spec["train_length"], *spec.get("curriculum", [])):
-        return st.train_dir(proto, task, length) / "eval"
-    folder = st.val_dir(proto, task, length)
-    st._prepare(task, folder, length, st.val_seed(length), st.val_samples(proto, length), log=log)
+        return train_dir(proto, task, length) / "eval"
+    folder = val_dir(proto, task, length)
+    prepare_set(task, folder, length, val_seed(length), val_samples(proto, length), log=log)
     return folder / "eval"
 
 
 def probe(proto: dict, record: dict, lengths: list[int], log=print) -> dict:
     """Validation accuracy of ``record``'s best weights at ``lengths``, as trained and with no feedback."""
     task = record["task"]
-    net = st.load_best(proto, record, task)
+    net = load_best(proto, record, task)
     if getattr(net, "merge", None) is None:
         raise SystemExit(f"{record['key']}: the model has no feedback merge to switch off (RLT-0 or a baseline)")
     net.eval()
-    predict = st._predictor(net, rlt=True)
+    predict = predictor(net, rlt=True)
     scale = net.merge.scale
     result = {"key": record["key"], "feedback_scale": float(scale), "as_trained": {}, "feedback_off": {}}
     for length in lengths:
         folder = validation_folder(proto, task, length, log)
-        result["as_trained"][str(length)] = st._accuracy(proto, task, predict, folder, length)
+        result["as_trained"][str(length)] = accuracy(proto, task, predict, folder, length)
         with torch.no_grad():
             saved = scale.detach().clone()
             scale.zero_()
             try:
-                result["feedback_off"][str(length)] = st._accuracy(proto, task, predict, folder, length)
+                result["feedback_off"][str(length)] = accuracy(proto, task, predict, folder, length)
             finally:
                 scale.copy_(saved)
         log(f"  {record['key']} L={length}: as trained {result['as_trained'][str(length)]:.4f}, "
@@ -74,7 +76,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--results", default="runs/experiments/state_tracking-final/results.json")
     p.add_argument("--keys", required=True, help="comma-separated record keys of --results (RLT-1 or RLT-2 runs)")
     p.add_argument("--lengths", help="comma-separated lengths (default: training length, curriculum, val_lengths)")
-    p.add_argument("--protocol", default=st.DEFAULT_PROTOCOL)
+    p.add_argument("--protocol", default=DEFAULT_PROTOCOL)
     p.add_argument("--out", default="runs/experiments/feedback_probe.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

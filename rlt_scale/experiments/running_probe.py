@@ -29,10 +29,12 @@ from typing import Optional
 
 import torch
 
-from rlt_scale.experiments import state_tracking as st
+from rlt_scale.experiments.curriculum import is_baseline
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, batches_of
 from rlt_scale.experiments.feedback_probe import validation_folder
+from rlt_scale.experiments.runs import load_best
 from rlt_scale.experiments.stage_ablation import probe_records
+from rlt_scale.experiments.state_tracking import DEFAULT_PROTOCOL
 from rlt_scale.experiments.supervision import target_fn
 from rlt_scale.model.rlt import answer_predictions
 from rlt_scale.training.bptt import run_sequence
@@ -81,8 +83,8 @@ def summarise(correct: torch.Tensor, buckets: int = 8) -> dict:
 @torch.no_grad()
 def probe(proto: dict, record: dict, lengths: list[int], batch_size: int = 64, log=print) -> dict:
     task = record["task"]
-    net = st.load_best(proto, record, task)
-    logits = all_logits(net, rlt=not st.is_baseline(record["config"]))
+    net = load_best(proto, record, task)
+    logits = all_logits(net, rlt=not is_baseline(record["config"]))
     result = {"key": record["key"], "lengths": {}}
     for length in lengths:
         rows = [running_correct(logits(b["tokens"], b["doc_ids"]), b["tokens"], task)
@@ -99,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--results", required=True, help="results.json of a state-tracking run directory")
     p.add_argument("--keys", required=True, help="comma-separated record keys (runs trained with the running loss)")
     p.add_argument("--lengths", required=True, help="comma-separated lengths (validation programs)")
-    p.add_argument("--protocol", default=st.DEFAULT_PROTOCOL)
+    p.add_argument("--protocol", default=DEFAULT_PROTOCOL)
     p.add_argument("--out", default="runs/experiments/running_probe.json")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

@@ -34,10 +34,13 @@ from typing import Optional
 
 import torch
 
-from rlt_scale.experiments import state_tracking as st
 from rlt_scale.experiments.curriculum import build_trainer, curriculum_options, stage_overrides, train_stages
 from rlt_scale.experiments.early_stopping import EarlyStopper, snapshot
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS
+from rlt_scale.experiments.runs import build_stages, load_results, lr_overrides
+from rlt_scale.experiments.state_tracking import DEFAULT_PROTOCOL, load_protocol
+from rlt_scale.experiments.supervision import target_fn
+from rlt_scale.experiments.variant_sweeps import sweep_variant
 
 # name -> trainer overrides, AdamW param-group edits (applied after the carried state is loaded, which
 # would otherwise bring back the recorded run's values), and whether the moments are reset.
@@ -54,7 +57,7 @@ VARIANTS: dict[str, dict] = {
 
 
 def find_record(results: Path, key: str) -> dict:
-    record = next((r for r in st.load_results(results) if r["key"] == key), None)
+    record = next((r for r in load_results(results) if r["key"] == key), None)
     if record is None:
         raise SystemExit(f"{results}: no record with key {key!r}")
     return record
@@ -66,7 +69,7 @@ def record_protocol(proto: dict, record: dict) -> dict:
     if not sweep_name:
         return proto
     sweep = proto["variant_sweeps"][sweep_name]
-    return st._sweep_variant(proto, sweep, record["tag"])[2]
+    return sweep_variant(proto, sweep, record["tag"])[2]
 
 
 def probe_records(results: Path, keys: str, protocol: str, out: Path, probe_one, log=print) -> list[dict]:
@@ -75,7 +78,7 @@ def probe_records(results: Path, keys: str, protocol: str, out: Path, probe_one,
     found = []
     for key in keys.split(","):
         record = find_record(results, key)
-        found.append(probe_one(record_protocol(st.load_protocol(protocol), record), record))
+        found.append(probe_one(record_protocol(load_protocol(protocol), record), record))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(found, indent=1))
     log(f"results in {out}")
@@ -108,8 +111,8 @@ def replay_to_entry(proto: dict, record: dict, stage_length: int, work: Path, lo
     """Train ``record``'s run through the stages before ``stage_length``; returns (trained, stages, index, common)."""
     task, seed = record["task"], record["seed"]
     # a record's overrides are its two seeds, its first stage's lr, then the extra ones: keep the extra ones
-    extra = record["overrides"][2 + len(st.lr_overrides(proto, record.get("lr"))[0]):]
-    common, stages = st.build_stages(proto, task, seed, record["max_steps"], record.get("lr"), extra)
+    extra = record["overrides"][2 + len(lr_overrides(proto, record.get("lr"))[0]):]
+    common, stages = build_stages(proto, task, seed, record["max_steps"], record.get("lr"), extra)
     index = next((i for i, s in enumerate(stages) if s.length == stage_length), None)
     if not index:
         raise SystemExit(f"stage {stage_length}: not a later stage of {record['key']} "
@@ -119,7 +122,7 @@ def replay_to_entry(proto: dict, record: dict, stage_length: int, work: Path, lo
     spec = proto["tasks"][task]
     options = curriculum_options(spec)
     trained = train_stages(proto["models"][record["model"]], stages[:index], work / "replay", common,
-                           ANSWER_TOKENS[task], proto, st.target_fn(task, record["supervision"]), log, **options)
+                           ANSWER_TOKENS[task], proto, target_fn(task, record["supervision"]), log, **options)
     if options["carry_best"]:  # train_stages treats its last stage as final: hand on the best
         stages[index - 1].stopper.restore(trained.model)
     return trained, stages, index, common
@@ -139,7 +142,7 @@ def run_variant(name: str, proto: dict, record: dict, entry, stages, index: int,
     history: list[dict] = []
     stopper = EarlyStopper(target=2.0, patience=0)  # never stops: every evaluation is recorded
     trainer, _ = build_trainer(proto["models"][record["model"]], overrides, stopper, ANSWER_TOKENS[task], proto,
-                               run_dir, st.target_fn(task, record["supervision"]), log)
+                               run_dir, target_fn(task, record["supervision"]), log)
     trainer.model.load_state_dict(entry.model.state_dict())
     if not spec.get("fresh"):
         trainer.optimizer.load_state_dict(copy.deepcopy(entry.trainer.optimizer.state_dict()))
@@ -176,7 +179,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--every", type=int, default=10, help="validation every this many steps")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--protocol", default=st.DEFAULT_PROTOCOL)
+    p.add_argument("--protocol", default=DEFAULT_PROTOCOL)
     p.add_argument("--out", help="JSON output (default runs/experiments/stage_ablation/KEY-LSTAGE.json)")
     args = p.parse_args(argv)
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
@@ -186,7 +189,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     torch.set_num_threads(1)
     log = lambda *a: print(*a, flush=True)  # noqa: E731
     record = find_record(Path(args.results), args.key)
-    proto = record_protocol(st.load_protocol(args.protocol), record)
+    proto = record_protocol(load_protocol(args.protocol), record)
     out = Path(args.out or f"runs/experiments/stage_ablation/{args.key}-L{args.stage}.json")
     work = out.with_suffix("")
     shutil.rmtree(work, ignore_errors=True)  # a rerun replays afresh (as train_one does its run directory)
