@@ -1,11 +1,6 @@
 """Variant sweeps: choose between config or protocol variants of a table row on validation, then test the
-chosen variant once per seed (``variant_sweeps`` of the protocol YAML).
-
-A sweep names ``task``, ``model`` (or ``models``: each gets the same variants
-and chooses its own), ``lr``, optionally ``supervision``, ``val_lengths`` and
-``protocol`` (protocol overrides shared by every variant), and ``variants``:
-name -> config overrides, or ``{set: [...], baseline_set: [...], protocol:
-[...], lr: ...}``. :func:`run_variant_sweep` says how one is chosen.
+chosen variant once per seed (``variant_sweeps`` of the protocol YAML). :func:`run_variant_sweep` says what
+a sweep names and how a variant is chosen.
 """
 
 from __future__ import annotations
