@@ -27,10 +27,10 @@ def data(layout_data):
     return layout_data
 
 
-def _run(tmp_path, data, name, nproc, micro, extra, env=None):
+def _run(tmp_path, data, name, nproc, micro, extra, env=None, timeout=480):
     out = tmp_path / f"{name}.pt"
     overrides = layout_overrides(data, tmp_path / name, micro, "float64", extra) + [f"data.eval_path={data}/eval"]
-    torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides, env=env)
+    torchrun("tests/workers/layout_step.py", nproc, [str(out)] + overrides, env=env, timeout=timeout)
     stages = [torch.load(f, weights_only=True) for f in sorted(tmp_path.glob(f"{name}.pt.stage*"))]
     return merge_pipeline_stages(stages, agree=("losses", "norms", "eval_loss", "eval_correct", "tp_replicas_agree"))
 
@@ -62,13 +62,21 @@ SCHEDULES = {
 }
 SCHEDULES["K1-fused"] = SCHEDULES["K1-ckpt"] + ["model.decoder_step=fused", "model.decoder_wgrad_block=3"]
 SCHEDULES["K1-fused-compiled"] = SCHEDULES["K1-fused"] + ["model.decoder_compile=default"]
+# torch.compile does not change the numbers (test_fused_step: 1e-12 in float64), so the compiled
+# case is checked against the eager one-process run: one cold inductor compile per CI run, not two.
+REFERENCE_OF = {"K1-fused-compiled": "K1-fused"}
 BASIC = ("K1-ckpt", "K3-nockpt", "K1-G2")
 # Memory groups read on several stages (K1-G2 vs G=1) only matter to the pipeline.
 CASES = [(layout, schedule) for layout in LAYOUTS if layout != "pp4" for schedule in BASIC
          if "pp" in layout or schedule != "K1-G2"]
 CASES += [("pp2", "K3-tbptt-ckpt"), ("pp2", "K1-tbptt"), ("tp2xpp2", "K3-tbptt-ckpt"), ("pp4", "K2-L4-M4")]
 # the fused step's own all-reduces (tp.sum) in forward and backward, eager and traced by torch.compile
-CASES += [("tp2", "K1-fused"), ("tp2", "K1-fused-compiled")]
+# The compiled case starts from a cold inductor cache on a fresh clone: both ranks compile at once,
+# 203 s alone on 2 cores and twice that with CI's load, so it gets a budget of its own.
+COMPILE_TIMEOUT_S = 900
+CASES += [("tp2", "K1-fused"),
+          pytest.param("tp2", "K1-fused-compiled", marks=pytest.mark.timeout(COMPILE_TIMEOUT_S + 120),
+                       id="tp2-K1-fused-compiled")]
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +95,9 @@ def reference(tmp_path_factory, data):
 @pytest.mark.parametrize("layout, schedule", CASES)
 def test_layout_matches_single_process(tmp_path, data, reference, layout, schedule):
     nproc, micro, extra, tol = LAYOUTS[layout]
-    ref = reference(schedule)
-    got = _run(tmp_path, data, layout, nproc, micro, SCHEDULES[schedule] + extra)
+    ref = reference(REFERENCE_OF.get(schedule, schedule))
+    timeout = COMPILE_TIMEOUT_S if "compiled" in schedule else 480
+    got = _run(tmp_path, data, layout, nproc, micro, SCHEDULES[schedule] + extra, timeout=timeout)
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a - b) <= tol * abs(b)
     for a, b in zip(got["norms"], ref["norms"]):
