@@ -91,7 +91,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(script: str, nproc: int, args: list[str], timeout: float = 480, env: dict | None = None,
+TORCHRUN_TIMEOUT_S = 480
+"""How long :func:`torchrun` waits for a multi-process run by default."""
+
+
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = TORCHRUN_TIMEOUT_S, env: dict | None = None,
              check: bool = True) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks; ``env`` adds variables; ``check=False`` returns a failed run too."""
     cmd = [
