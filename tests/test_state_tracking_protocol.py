@@ -509,6 +509,85 @@ def test_a_run_stopped_by_sigterm_is_not_recorded_as_finished(tmp_path, monkeypa
     assert table.records == [] and not (tmp_path / "out" / "results.json").exists()
 
 
+@pytest.mark.parametrize("model", ["gru", "rlt1_a1"])
+def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_ends_as_an_unbroken_run(tmp_path, monkeypatch, model):
+    """Stopped once at the evaluation that ends its curriculum stage and once inside its last stage, a run
+    resumed twice by the same call ends with the uninterrupted run's record (validation history, best
+    step, steps per stage) and bit-identical best weights: the early stopper's state and kept weights
+    travel in the checkpoint, and a finished stage is restored, not trained on."""
+    import os
+    import signal
+
+    from rlt_scale.experiments import curriculum
+
+    proto = tiny_protocol(tmp_path)
+    # stage L=8 ends at its first evaluation (step 2); patience 8 lets the last stage stop at 18 at the soonest
+    proto["tasks"]["parity"].update(curriculum=[8], curriculum_steps=12, curriculum_advance=0.0, max_steps=24)
+    proto["early_stopping"] = {"target": 1.01, "patience": 8, "min_delta": 0.0}
+    task_sets.prepare_data(proto, "parity", log=lambda *a: None)
+    extra = ["trainer.eval_interval=2"] + (["model.d_model=32", "model.n_heads=2", "model.window=4"]
+                                           if model != "gru" else [])
+    quiet = lambda *a: None  # noqa: E731
+
+    def train(out: Path):
+        return runs.train_one(proto, "parity", model, 0, out, extra=extra, tag="t", lr=3e-3, log=quiet)
+
+    unbroken, unbroken_net, _ = train(tmp_path / "unbroken")
+    assert unbroken["stage_steps"][0] == (8, 2) and unbroken["stage_steps"][1][1] >= 18
+
+    real_build = curriculum.build_trainer
+    stop_at: dict = {}
+
+    def build_and_signal(*a, **kw):
+        trainer, cfg = real_build(*a, **kw)
+        where = trainer.run_dir.name
+
+        def sigterm(trainer, step, sums) -> bool:
+            if stop_at.get(where) == step:
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler checkpoints at this step
+            return False
+
+        trainer.callbacks.append(sigterm)
+        return trainer, cfg
+
+    monkeypatch.setattr(curriculum, "build_trainer", build_and_signal)
+    out = tmp_path / "stopped"
+    run_dir = out / "runs" / runs.run_key("parity", model, 0, "t", "final", 3e-3)
+    stop_at.update({"stage-L8": 2})
+    with pytest.raises(curriculum.Preempted, match="at step 2 of stage L=8"):
+        train(out)
+    assert (run_dir / "stage-L8" / curriculum.FINISHED_FILE).exists()  # the signal came as the stage ended
+    stop_at.update({"stage-L8": None, run_dir.name: 10})
+    with pytest.raises(curriculum.Preempted, match="at step 10 of stage L=24"):
+        train(out)  # stage L=8 restored at its end; the last stage stops at 10
+    stop_at.clear()
+    resumed, resumed_net, _ = train(out)  # stage L=8 restored again, L=24 resumes at 10
+
+    assert resumed["resumed"] and not unbroken["resumed"]
+    for field in ("steps", "stage_steps", "stage_lrs", "best_step", "best_val_acc", "val_history", "val_acc"):
+        assert resumed[field] == unbroken[field], field
+    assert len(unbroken["val_history"]) == unbroken["stage_steps"][1][1] // 2  # eval_interval 2: it saw every one
+    for name, tensor in unbroken_net.state_dict().items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(resumed_net.state_dict()[name], tensor), name
+    assert not (run_dir / runs.UNFINISHED_FILE).exists()
+    monkeypatch.setattr(curriculum, "build_trainer", real_build)
+    again, _, _ = train(out)  # a finished run is not resumed: a rerun (--force) trains afresh
+    assert not again["resumed"] and again["val_history"] == unbroken["val_history"]
+
+
+def test_a_run_directory_of_another_recipe_is_emptied_not_resumed(tmp_path):
+    """The unfinished mark names the recipe; a changed recipe (here its step budget) starts afresh."""
+    recipe = {"key": "k", "stages": [[8, "d", 12, []]]}
+    run_dir = tmp_path / "run"
+    assert runs.open_run_dir(run_dir, recipe, log=lambda *a: None) is False
+    (run_dir / "checkpoints").mkdir()
+    assert runs.open_run_dir(run_dir, recipe, log=lambda *a: None) is True
+    assert (run_dir / "checkpoints").exists()
+    assert runs.open_run_dir(run_dir, {**recipe, "stages": [[8, "d", 24, []]]}, log=lambda *a: None) is False
+    assert not (run_dir / "checkpoints").exists()
+
+
 # ------------------------------------------------------------ the 2-hour table
 def _recorded_choices(path: str) -> dict[tuple[str, str], float]:
     """(task, model) -> the lr of the recorded test rows of the running-state table (untagged rows)."""

@@ -48,6 +48,37 @@ def test_resume_continues_bit_for_bit(parity_data, tmp_path, ctx):
     assert any("eval_loss" in r for r in records)
 
 
+def test_added_state_is_checkpointed_and_a_layout_bound_part_refuses_another_layout(parity_data, tmp_path, ctx):
+    """``checkpoint_also``: an early stopper's counters and kept weights come back on resume; a checkpoint
+    that claims another layout is refused by name rather than resumed without the per-rank weights."""
+    from rlt_scale.errors import CheckpointError
+    from rlt_scale.experiments.early_stopping import EarlyStopper
+
+    def trainer(max_steps: int, stopper: EarlyStopper) -> Trainer:
+        t = Trainer(_config(parity_data, tmp_path / "run", **{"trainer.max_steps": max_steps}), ctx,
+                    callbacks=[stopper.callback()])
+        t.checkpoint_also(stopper.checkpointed(t.model, t.ctx.rank))
+        return t
+
+    saved = EarlyStopper(target=2.0, patience=0)
+    trainer(4, saved).fit()
+    assert len(saved.history) == 2  # evaluations at steps 2 and 4
+    restored = EarlyStopper(target=2.0, patience=0)
+    trainer(4, restored).maybe_resume()
+    assert restored.state_dict() == saved.state_dict()
+    assert all(torch.equal(restored.best_state[k], v) for k, v in saved.best_state.items()
+               if isinstance(v, torch.Tensor))
+    with pytest.raises(ValueError, match="already name"):
+        trainer(4, EarlyStopper()).checkpoint_also({"rng": object()})
+
+    meta_path = tmp_path / "run" / "checkpoints" / "step_00000004" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["layout"]["dp"] = 2  # as if a two-rank job had saved it
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"early_stopping_weights belong to the layout .*dp=2"):
+        trainer(6, EarlyStopper()).maybe_resume()
+
+
 def test_checkpoints_are_atomic_pruned_and_loadable(parity_data, tmp_path, ctx):
     run = tmp_path / "run"
     Trainer(_config(parity_data, run, **{"trainer.max_steps": 6, "checkpoint.keep": 2}), ctx).fit()

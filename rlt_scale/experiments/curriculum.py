@@ -137,13 +137,15 @@ def build_trainer(config_path: str, overrides: list[str], stopper: EarlyStopper,
     if baseline is not None:
         torch.manual_seed(cfg.trainer.seed)
         model = build_baseline(baseline)
-    return Trainer(cfg, model=model, objective=objective, callbacks=callbacks), cfg
+    trainer = Trainer(cfg, model=model, objective=objective, callbacks=callbacks)
+    trainer.checkpoint_also(stopper.checkpointed(trainer.model, trainer.ctx.rank))
+    return trainer, cfg
 
 
 def stage_overrides(stage: Stage, stage_dir: Path, common: list[str]) -> list[str]:
     """The trainer overrides of one stage: its data, run directory and budget, the run's, then its own."""
     return [f"data.path={stage.data}", f"data.eval_path={stage.data / 'eval'}", f"checkpoint.dir={stage_dir}",
-            f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
+            "checkpoint.resume=true", f"trainer.max_steps={stage.max_steps}", *common, *stage.overrides]
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,10 @@ def _score_on_entry(trainer: Trainer) -> tuple[float, bool]:
     return sums.accuracy, any([callback(trainer, 0, sums) for callback in trainer.callbacks])
 
 
+FINISHED_FILE = "stage-finished.json"
+"""Written into a stage's directory when its training ends: the overrides it trained with and its steps."""
+
+
 def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: list[str], answers,
                  proto: dict, targets: Optional[TargetFn], log: Callable = print, entry_check: bool = False,
                  carry_best: bool = False, near_solved: Optional[NearSolved] = None) -> Trained:
@@ -186,6 +192,10 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
     weights of its best evaluation (the AdamW moments stay the last step's). ``near_solved``: a stage whose
     entry score reaches ``near_solved.at`` (needs ``entry_check``) trains at a share of its learning rate.
     See the module docstring.
+
+    Resuming (``run_dir`` kept from an unfinished run of the same recipe): a stage an earlier process
+    finished is restored from its last checkpoint, which holds its early stopper too, not trained again;
+    an interrupted stage resumes from its newest checkpoint. Either way the run continues exactly.
     """
     previous = None
     stage_steps: list[tuple[int, int]] = []
@@ -194,34 +204,61 @@ def train_stages(config_path: str, stages: list[Stage], run_dir: Path, common: l
         last = i == len(stages) - 1
         stage_dir = run_dir if last else run_dir / f"stage-L{stage.length}"
         stage_dir.mkdir(parents=True, exist_ok=True)
-        overrides = stage_overrides(stage, stage_dir, common)
         if len(stages) > 1:
             log(f"-- stage {i + 1}/{len(stages)}: length {stage.length}, up to {stage.max_steps} steps "
                 f"{' '.join(stage.overrides)}")
-        trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
-        if previous is not None:
-            _carry_over(previous, trainer)
-        entry, solved = _score_on_entry(trainer) if previous is not None and entry_check else (None, False)
-        if not solved and near_solved is not None and entry is not None and entry >= near_solved.at:
-            # the stage's schedule is its config's: rebuild it at the smaller step (the entry stays logged)
-            trainer, cfg = build_trainer(config_path, overrides + near_solved.overrides(cfg), stage.stopper, answers,
-                                         proto, stage_dir, targets, log)
-            _carry_over(previous, trainer)
-            log(f"-- stage {i + 1}/{len(stages)}: nearly solved on entry ({entry:.4f}), "
-                f"lr {cfg.optimizer.lr:.3g}")
-        stage_lrs.append((stage.length, cfg.optimizer.lr))
-        if solved:
-            log(f"-- stage {i + 1}/{len(stages)}: solved on entry, not trained")
-            stage_steps.append((stage.length, 0))
+        finished = _read_finished(stage_dir)
+        if finished is not None:
+            trainer, cfg = build_trainer(config_path, finished["overrides"], stage.stopper, answers, proto,
+                                         stage_dir, targets, log)
+            trainer.maybe_resume()
+            if trainer.resumed_from is None or trainer.step != finished["steps"]:
+                raise RuntimeError(f"{stage_dir}: {FINISHED_FILE} says the stage ended at step {finished['steps']}, "
+                                   f"but its newest checkpoint is {trainer.resumed_from} (step {trainer.step})")
+            log(f"-- stage {i + 1}/{len(stages)}: finished by an earlier process at step {trainer.step}, restored")
+            steps = trainer.step
         else:
-            summary = trainer.fit()
-            if summary.preempted:
-                raise Preempted(f"{run_dir}: stopped by a signal at step {summary.steps} of stage L={stage.length}")
-            stage_steps.append((stage.length, summary.steps))
+            trainer, cfg, steps = _train_stage(config_path, stage, stage_dir, common, previous, answers, proto,
+                                               targets, log, f"{i + 1}/{len(stages)}", entry_check, near_solved)
+        stage_lrs.append((stage.length, cfg.optimizer.lr))
+        stage_steps.append((stage.length, steps))
         if carry_best and not last:
             stage.stopper.restore(trainer.model)
         previous = trainer
     return Trained(previous.model, cfg, sum(s for _, s in stage_steps), stage_steps, previous, stage_lrs)
+
+
+def _train_stage(config_path: str, stage: Stage, stage_dir: Path, common: list[str], previous: Optional[Trainer],
+                 answers, proto: dict, targets: Optional[TargetFn], log: Callable, name: str, entry_check: bool,
+                 near_solved: Optional[NearSolved]):
+    """One stage from the model ``previous`` hands on: (its trainer, config, steps trained)."""
+    overrides = stage_overrides(stage, stage_dir, common)
+    trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
+    if previous is not None:
+        _carry_over(previous, trainer)
+    entry, solved = _score_on_entry(trainer) if previous is not None and entry_check else (None, False)
+    if solved:
+        log(f"-- stage {name}: solved on entry, not trained")
+        return trainer, cfg, 0
+    if near_solved is not None and entry is not None and entry >= near_solved.at:
+        # the stage's schedule is its config's: rebuild it at the smaller step (the entry stays logged)
+        overrides = overrides + near_solved.overrides(cfg)
+        trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
+        _carry_over(previous, trainer)
+        log(f"-- stage {name}: nearly solved on entry ({entry:.4f}), lr {cfg.optimizer.lr:.3g}")
+    summary = trainer.fit()  # resumes from the stage's newest checkpoint, if an earlier process left one
+    # A signal can arrive at the very evaluation that ends the stage: finished all the same, and marked so,
+    # or the resumed stage would train on past its end.
+    if not summary.preempted or stage.stopper.stopped_early or summary.steps >= stage.max_steps:
+        (stage_dir / FINISHED_FILE).write_text(json.dumps({"overrides": overrides, "steps": summary.steps}, indent=1))
+    if summary.preempted:
+        raise Preempted(f"{stage_dir}: stopped by a signal at step {summary.steps} of stage L={stage.length}")
+    return trainer, cfg, summary.steps
+
+
+def _read_finished(stage_dir: Path) -> Optional[dict]:
+    path = stage_dir / FINISHED_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _carry_over(previous: Trainer, trainer: Trainer) -> None:

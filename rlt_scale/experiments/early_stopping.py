@@ -59,6 +59,24 @@ class EarlyStopper:
         self.stopped_early = self.stopped_early or stop
         return stop
 
+    def state_dict(self) -> dict:
+        """The counters and history (JSON); the kept weights go into the checkpoint as :class:`KeptWeights`."""
+        return {"best_acc": self.best_acc, "best_step": self.best_step, "stale": self.stale,
+                "stopped_early": self.stopped_early, "history": [list(h) for h in self.history],
+                "has_best": self.best_state is not None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_acc, self.best_step, self.stale = state["best_acc"], state["best_step"], state["stale"]
+        self.stopped_early = state["stopped_early"]
+        self.history = [(int(step), acc) for step, acc in state["history"]]
+        if not state["has_best"]:  # KeptWeights, restored first, loaded the placeholder
+            self.best_state = None
+
+    def checkpointed(self, model: torch.nn.Module, rank: int) -> dict:
+        """What a :meth:`Trainer.checkpoint_also <rlt_scale.training.trainer.Trainer.checkpoint_also>` of
+        this stopper saves, so that a resumed run stops where the uninterrupted one would have."""
+        return {"early_stopping": self, "early_stopping_weights": KeptWeights(self, model, rank)}
+
     def restore(self, model: torch.nn.Module) -> None:
         """Load the best weights seen (no-op when nothing was evaluated)."""
         if self.best_state is not None:
@@ -82,3 +100,31 @@ class EarlyStopper:
             return stop
 
         return on_evaluate
+
+
+class KeptWeights:
+    """The stopper's best weights as sharded checkpoint state: each rank its own copy, under its own names.
+
+    They are the rank's local parameters (a TP or PP shard), so they are ``layout_bound``: restored only
+    into the layout that saved them. Before the first evaluation there are none; the model's current
+    weights stand in, and :meth:`EarlyStopper.load_state_dict` (restored after this) drops them again.
+    """
+
+    layout_bound = True
+
+    def __init__(self, stopper: EarlyStopper, model: torch.nn.Module, rank: int):
+        self.stopper, self.model, self.prefix = stopper, model, f"early_stopping.best.rank{rank:05d}."
+
+    def _weights(self) -> dict:
+        return self.stopper.best_state if self.stopper.best_state is not None else self.model.state_dict()
+
+    def sharded_state_dict(self) -> dict:
+        return {self.prefix + k: v for k, v in self._weights().items() if isinstance(v, torch.Tensor)}
+
+    def load_targets(self) -> dict:
+        return {self.prefix + k: torch.empty_like(v) for k, v in self.model.state_dict().items()
+                if isinstance(v, torch.Tensor)}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.stopper.best_state = {k: loaded[self.prefix + k] if isinstance(v, torch.Tensor) else v
+                                   for k, v in self.model.state_dict().items()}

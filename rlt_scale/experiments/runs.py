@@ -120,6 +120,24 @@ def build_stages(proto: dict, task: str, seed: int, max_steps: int, lr: Optional
     return common, stages
 
 
+UNFINISHED_FILE = "unfinished.json"
+"""In a run directory while its run is unfinished: the run's recipe, which a rerun must match to resume it."""
+
+
+def open_run_dir(run_dir: Path, recipe: dict, log=print) -> bool:
+    """Keep ``run_dir`` when it holds an unfinished run of exactly ``recipe`` (it resumes: True); otherwise
+    empty it and mark a new unfinished run there. :func:`train_one` removes the mark when the run is done."""
+    recipe = json.loads(json.dumps(recipe, default=str))  # as it reads back from the file
+    mark = run_dir / UNFINISHED_FILE
+    if mark.exists() and json.loads(mark.read_text()) == recipe:
+        log(f"== resuming the unfinished run in {run_dir}")
+        return True
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    mark.write_text(json.dumps(recipe, indent=1))
+    return False
+
+
 def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: Optional[int] = None,
               extra: Optional[list[str]] = None, tag: str = "", log=print, supervision: Optional[str] = None,
               lr: Optional[float] = None, validate: bool = True) -> tuple[dict, torch.nn.Module, bool]:
@@ -128,17 +146,23 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     Returns the record (no test figures), the network with its best weights
     restored, and whether it is an RLT. ``lr`` overrides the config's peak
     learning rate (a sweep point); ``extra`` overrides come last and win.
+    A run stopped by a signal (:class:`~rlt_scale.experiments.curriculum.Preempted`) or a crash leaves its
+    directory; the same call later resumes it from its checkpoints and ends exactly as it would have.
     """
     spec = proto["tasks"][task]
     supervision = supervision or proto.get("supervision", "final")
     targets = target_fn(task, supervision)
     key = run_key(task, model, seed, tag, supervision, lr)
     run_dir = out / "runs" / key
-    shutil.rmtree(run_dir, ignore_errors=True)
     max_steps = steps or spec["max_steps"]
     common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
     stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
+    recipe = {"key": key, "config": config_path, "overrides": common, "supervision": supervision,
+              "early_stopping": proto["early_stopping"], "options": curriculum_options(spec),
+              "stages": [[st.length, str(st.data), st.max_steps, list(st.overrides), st.stopper.target,
+                         st.stopper.patience, st.stopper.min_delta] for st in stages]}
+    resumed = open_run_dir(run_dir, recipe, log)
     log(f"== {key}: {config_path} {' '.join(common)} (supervision: {supervision}; stages: "
         f"{', '.join(f'L={st.length} up to {st.max_steps} steps' for st in stages)})")
     seq_len = seq_len_of(task, spec["train_length"])
@@ -172,12 +196,13 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
         "max_steps": max_steps, "steps": trained.steps, "stopped_early": stopper.stopped_early,
         "best_step": stopper.best_step, "best_val_acc": stopper.best_acc, "val_history": stopper.history,
         "val_acc": val_acc, "selection_score": statistics.mean(val_acc.values()),
-        "train_time_s": round(train_time, 1), "run_dir": str(run_dir),
+        "train_time_s": round(train_time, 1), "resumed": resumed, "run_dir": str(run_dir),
         "machine": environment(),  # a run reproduces on the same CPU and numpy only (docs/RESULTS.md)
     }
     log(f"== {key}: {trained.steps} steps ({'early stop' if stopper.stopped_early else 'budget'}), best val "
         f"{stopper.best_acc:.4f} at {stopper.best_step}, train {train_time:.0f}s; validation "
         + " ".join(f"L={L}:{a:.4f}" for L, a in val_acc.items()))
+    (run_dir / UNFINISHED_FILE).unlink()  # done: a rerun (--force, lost weights) starts afresh
     return record, net, rlt
 
 

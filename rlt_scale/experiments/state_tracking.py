@@ -49,7 +49,8 @@ curriculum trains shorter programs first. Runs are appended to
 ``OUT/results.json`` as they finish (``"phase": "select"`` for a sweep run,
 ``"test"`` for a table run) and ``OUT/results.md`` is rewritten each time; a
 run already there is skipped (``--force`` reruns it), so an interrupted table
-resumes.
+resumes; the run that was interrupted (SIGTERM, or a crash after a checkpoint)
+continues from its checkpoints, exactly, when the same command meets it again.
 
 Where the code is: the data sets and their seeds in
 :mod:`~rlt_scale.experiments.task_sets`, one run and the results table in
@@ -296,8 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name in sweeps:
             run_variant_sweep(proto, table, name, seeds, args, log)
     except Preempted as err:
-        print(f"preempted: {err}. That run is not recorded; the finished ones are in {table.path}, and the "
-              "same command resumes from them.", file=sys.stderr, flush=True)
+        print(f"preempted: {err}. That run is not recorded yet; the finished ones are in {table.path}. The "
+              "same command skips those and resumes that run from its checkpoint.", file=sys.stderr, flush=True)
         return 128 + 15
     print(f"\ntotal wall time {time.perf_counter() - started:.0f}s; results in {table.path}\n", flush=True)
     print(table.write_markdown(), flush=True)

@@ -17,7 +17,8 @@ Objects to save come in two kinds:
   (the per-rank RNG) is restored only into the layout that saved it, and
   otherwise told to ``reseed(seed, step)``.
 * *global* (``state_dict()`` / ``load_state_dict(state)``): small, identical on
-  every rank, JSON-serialisable; rank 0 writes it into ``meta.json``.
+  every rank, JSON-serialisable; rank 0 writes it into ``meta.json``. Loading
+  restores it after every sharded object.
 
 Saving: every rank writes into ``step_N.tmp/state``; after that collective,
 the ranks checksum the files between them, rank 0 writes ``meta.json`` (with
@@ -292,13 +293,16 @@ class CheckpointManager(CheckpointDirectory):
         except (Exception, CheckpointException) as err:  # DCP's (a BaseException) gathers every rank's failure
             raise CheckpointError(f"{state_dir}: cannot load the sharded state ({describe_load_failure(state_dir, err)})"
                                   ) from err
+        for obj in objects.values():
+            if _is_sharded(obj) and (same or not getattr(obj, "layout_bound", False)):
+                obj.load_sharded_state_dict(loaded)
+        # The global state last: an object saved in two parts (early stopping's counters and its kept
+        # weights) can then settle its sharded part against its global one.
         for name, obj in objects.items():
             if not _is_sharded(obj):
                 if name not in meta["state"]:
                     raise CheckpointError(f"{path / META_FILE} has no state for {name!r}")
                 obj.load_state_dict(meta["state"][name])
-            elif same or not getattr(obj, "layout_bound", False):
-                obj.load_sharded_state_dict(loaded)
         return {**meta, "resharded": not same}
 
     def _verify_checksums(self, state_dir: Path, meta: dict) -> None:

@@ -22,7 +22,7 @@ import torch
 from rlt_scale.config import Config, config_to_dict, config_to_yaml
 from rlt_scale.data.loader import StreamingLoader, pin_batches
 from rlt_scale.distributed import ParallelContext, init_distributed
-from rlt_scale.errors import ConfigError
+from rlt_scale.errors import CheckpointError, ConfigError
 from rlt_scale.parallel.data_parallel import dp_sum
 from rlt_scale.training.checkpoint import CheckpointManager
 from rlt_scale.training.engine import LossSums, Objective, build_engine, rank_model
@@ -111,12 +111,23 @@ class Trainer:
         self.step = 0
         self.resumed_from: Optional[Path] = None
         self.wandb_id: Optional[str] = None
+        self.extra_state: dict = {}
 
     # -------------------------------------------------------------- plumbing
     def stateful(self) -> dict:
-        """What a checkpoint holds: model + optimizer and RNG sharded, schedule and data position global."""
+        """What a checkpoint holds: model + optimizer and RNG sharded, schedule and data position global,
+        and what :meth:`checkpoint_also` added."""
         return {"model_and_optimizer": self.model_state, "rng": self.rng,
-                "lr_schedule": self.lr_schedule, "data": self.loader}
+                "lr_schedule": self.lr_schedule, "data": self.loader, **self.extra_state}
+
+    def checkpoint_also(self, objects: dict) -> None:
+        """Save and restore ``objects`` (name -> a global or sharded stateful, see
+        :mod:`~rlt_scale.training.checkpoint`) with every checkpoint: the state of a callback, say.
+        Layout-bound ones make a resume on another layout an error, as nothing can reseed them."""
+        clash = set(objects) & set(self.stateful())
+        if clash:
+            raise ValueError(f"checkpoint_also: {sorted(clash)} already name checkpointed state")
+        self.extra_state.update(objects)
 
     def _autocast(self):
         if self.cfg.trainer.precision == "bf16":
@@ -151,6 +162,12 @@ class Trainer:
         self.step = int(meta["step"])
         self.wandb_id = meta.get("wandb_run_id")
         if meta["resharded"]:  # per-rank RNG rows belong to the old layout's ranks
+            bound = sorted(name for name, obj in self.extra_state.items() if getattr(obj, "layout_bound", False))
+            if bound:
+                old = meta["layout"]
+                raise CheckpointError(f"{latest}: {', '.join(bound)} belong to the layout that saved them (tp="
+                                      f"{old['tp']} pp={old['pp']} dp={old['dp']} zero={old['zero_stage']}); "
+                                      "resume this run on that layout")
             self.rng.reseed(self.cfg.trainer.seed, self.step)
         if self.ctx.is_logging_rank:
             lost = self._last_logged_step() - self.step
