@@ -557,9 +557,11 @@ def test_a_run_stopped_by_sigterm_resumes_where_it_stopped_and_ends_as_an_unbrok
     with pytest.raises(curriculum.Preempted, match="at step 2 of stage L=8"):
         train(out)
     assert (run_dir / "stage-L8" / curriculum.FINISHED_FILE).exists()  # the signal came as the stage ended
+    (run_dir / "stage-L8" / curriculum.FINISHED_FILE).unlink()  # as if the process had died before marking it
     stop_at.update({"stage-L8": None, run_dir.name: 10})
     with pytest.raises(curriculum.Preempted, match="at step 10 of stage L=24"):
-        train(out)  # stage L=8 restored at its end; the last stage stops at 10
+        train(out)  # stage L=8 found ended in its checkpoint, and marked; the last stage stops at 10
+    assert (run_dir / "stage-L8" / curriculum.FINISHED_FILE).exists()
     stop_at.clear()
     resumed, resumed_net, _ = train(out)  # stage L=8 restored again, L=24 resumes at 10
 

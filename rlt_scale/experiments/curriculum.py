@@ -50,6 +50,7 @@ from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.supervision import TargetFn, as_objective_targets
 from rlt_scale.training.bptt import next_token_targets
 from rlt_scale.training.engine import Objective
+from rlt_scale.training.checkpoint_files import write_text_durably
 from rlt_scale.training.trainer import Trainer
 
 
@@ -246,14 +247,31 @@ def _train_stage(config_path: str, stage: Stage, stage_dir: Path, common: list[s
         trainer, cfg = build_trainer(config_path, overrides, stage.stopper, answers, proto, stage_dir, targets, log)
         _carry_over(previous, trainer)
         log(f"-- stage {name}: nearly solved on entry ({entry:.4f}), lr {cfg.optimizer.lr:.3g}")
+    if _ended_in_checkpoint(trainer, stage):  # its process died after the last save, before marking it
+        trainer.maybe_resume()
+        _mark_finished(stage_dir, overrides, trainer.step)
+        return trainer, cfg, trainer.step
     summary = trainer.fit()  # resumes from the stage's newest checkpoint, if an earlier process left one
     # A signal can arrive at the very evaluation that ends the stage: finished all the same, and marked so,
     # or the resumed stage would train on past its end.
     if not summary.preempted or stage.stopper.stopped_early or summary.steps >= stage.max_steps:
-        (stage_dir / FINISHED_FILE).write_text(json.dumps({"overrides": overrides, "steps": summary.steps}, indent=1))
+        _mark_finished(stage_dir, overrides, summary.steps)
     if summary.preempted:
         raise Preempted(f"{stage_dir}: stopped by a signal at step {summary.steps} of stage L={stage.length}")
     return trainer, cfg, summary.steps
+
+
+def _ended_in_checkpoint(trainer: Trainer, stage: Stage) -> bool:
+    """Whether the stage's newest checkpoint is its end: its budget spent, or its early stopper done."""
+    latest = trainer.checkpoints.latest()
+    if latest is None:
+        return False
+    meta = trainer.checkpoints.read_meta(latest)
+    return meta["step"] >= stage.max_steps or meta["state"]["early_stopping"]["stopped_early"]
+
+
+def _mark_finished(stage_dir: Path, overrides: list[str], steps: int) -> None:
+    write_text_durably(stage_dir / FINISHED_FILE, json.dumps({"overrides": overrides, "steps": steps}, indent=1))
 
 
 def _read_finished(stage_dir: Path) -> Optional[dict]:

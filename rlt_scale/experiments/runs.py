@@ -8,6 +8,7 @@ found and reused, never retrained; :class:`Table` is the ``results.json`` and
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import statistics
@@ -25,6 +26,7 @@ from rlt_scale.experiments.restarts import Restarts, train_with_restarts
 from rlt_scale.experiments.supervision import target_fn
 from rlt_scale.experiments.task_sets import file_lock, seq_len_of, test_dir, test_round, train_dir, val_dir
 from rlt_scale.profiling.machine import environment
+from rlt_scale.training.checkpoint_files import write_text_durably
 
 
 # ------------------------------------------------------------------- FLOPs
@@ -134,7 +136,7 @@ def open_run_dir(run_dir: Path, recipe: dict, log=print) -> bool:
         return True
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    mark.write_text(json.dumps(recipe, indent=1))
+    write_text_durably(mark, json.dumps(recipe, indent=1))
     return False
 
 
@@ -158,7 +160,8 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
     stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
-    recipe = {"key": key, "config": config_path, "overrides": common, "supervision": supervision,
+    yaml_sha256 = hashlib.sha256(Path(config_path).read_bytes()).hexdigest()  # an edited YAML: a new run
+    recipe = {"key": key, "config": config_path, "config_sha256": yaml_sha256, "overrides": common, "supervision": supervision, "val_samples": proto["val_samples"],
               "early_stopping": proto["early_stopping"], "options": curriculum_options(spec),
               "stages": [[st.length, str(st.data), st.max_steps, list(st.overrides), st.stopper.target,
                          st.stopper.patience, st.stopper.min_delta] for st in stages]}
