@@ -49,8 +49,8 @@ from rlt_scale.experiments.baselines import BaselineConfig, build_baseline
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.supervision import TargetFn, as_objective_targets
 from rlt_scale.training.bptt import next_token_targets
-from rlt_scale.training.engine import Objective
 from rlt_scale.training.checkpoint_files import write_text_durably
+from rlt_scale.training.engine import Objective
 from rlt_scale.training.trainer import Trainer
 
 
@@ -267,7 +267,7 @@ def _ended_in_checkpoint(trainer: Trainer, stage: Stage) -> bool:
     if latest is None:
         return False
     meta = trainer.checkpoints.read_meta(latest)
-    return meta["step"] >= stage.max_steps or meta["state"]["early_stopping"]["stopped_early"]
+    return meta["step"] >= stage.max_steps or meta["state"][EarlyStopper.STATE_NAME]["stopped_early"]
 
 
 def _mark_finished(stage_dir: Path, overrides: list[str], steps: int) -> None:

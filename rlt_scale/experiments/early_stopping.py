@@ -72,10 +72,13 @@ class EarlyStopper:
         if not state["has_best"]:  # KeptWeights, restored first, loaded the placeholder
             self.best_state = None
 
+    STATE_NAME = "early_stopping"
+    """The name of the stopper's counters and history in a checkpoint's ``meta.json`` state."""
+
     def checkpointed(self, model: torch.nn.Module, rank: int) -> dict:
         """What a :meth:`Trainer.checkpoint_also <rlt_scale.training.trainer.Trainer.checkpoint_also>` of
         this stopper saves, so that a resumed run stops where the uninterrupted one would have."""
-        return {"early_stopping": self, "early_stopping_weights": KeptWeights(self, model, rank)}
+        return {self.STATE_NAME: self, f"{self.STATE_NAME}_weights": KeptWeights(self, model, rank)}
 
     def restore(self, model: torch.nn.Module) -> None:
         """Load the best weights seen (no-op when nothing was evaluated)."""

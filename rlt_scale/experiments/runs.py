@@ -8,7 +8,6 @@ found and reused, never retrained; :class:`Table` is the ``results.json`` and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import statistics
@@ -18,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from rlt_scale.data.index import file_sha256
 from rlt_scale.experiments.curriculum import Stage, build_trainer, curriculum_options, is_baseline, train_stages
 from rlt_scale.experiments.early_stopping import EarlyStopper
 from rlt_scale.experiments.evaluate import ANSWER_TOKENS, evaluate_path, module_predictor, rlt_predictor
@@ -160,8 +160,8 @@ def train_one(proto: dict, task: str, model: str, seed: int, out: Path, steps: O
     common, stages = build_stages(proto, task, seed, max_steps, lr, extra)
     stopper, later = stages[-1].stopper, stages[-1].overrides
     config_path = proto["models"][model]
-    yaml_sha256 = hashlib.sha256(Path(config_path).read_bytes()).hexdigest()  # an edited YAML: a new run
-    recipe = {"key": key, "config": config_path, "config_sha256": yaml_sha256, "overrides": common, "supervision": supervision, "val_samples": proto["val_samples"],
+    recipe = {"key": key, "config": config_path, "config_sha256": file_sha256(config_path),  # an edited YAML: a new run
+              "overrides": common, "supervision": supervision, "val_samples": proto["val_samples"],
               "early_stopping": proto["early_stopping"], "options": curriculum_options(spec),
               "stages": [[st.length, str(st.data), st.max_steps, list(st.overrides), st.stopper.target,
                          st.stopper.patience, st.stopper.min_delta] for st in stages]}
